@@ -1,0 +1,277 @@
+"""Slot state: the filled and stale bitmaps, the per-row seqlock counters, and the writer lock.
+
+This is the only module that takes the lock or changes the state files (see ``_format`` for their layout).
+
+Publication protocol (a writer storing row ``r``), all under the writer lock:
+  1. re-check: a filled, non-stale row with an even counter is left alone (someone else stored it);
+  2. ``seq[r]`` becomes odd; 3. the row's bytes are written; 4. ``seq[r]`` becomes even;
+  5. the filled bit is set and the stale bit cleared.
+Readers take no lock: a row is read if its filled bit is set and its counter is even, and the copy is kept only
+if the counter did not change meanwhile. A writer killed between 2 and 4 leaves an odd counter, which the next
+writer (holding the lock, so it knows nobody is mid-write) treats as "not filled".
+
+Memory ordering: row bytes are stored before the counter and bit stores, and readers load the bit and counter
+before the bytes. On x86-64 (total store order) that program order is what other processes observe; the flock
+system calls around every write are full barriers on the writer side.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from typing import Callable
+
+import numpy as np
+
+from ._format import FILLED, LOCK, SEQ, STALE
+from .errors import CacheFormatError, CacheReadOnlyError
+
+
+def bitmap_bytes(rows: int) -> int:
+    return (rows + 7) // 8
+
+
+class WriterLock:
+    """The cache's writer lock: a thread lock plus the kernel's blocking ``flock`` on ``<cache>/lock``.
+
+    Blocking ``flock`` hands the lock over as soon as it is released (filelock's ``FileLock`` polls with
+    ``LOCK_NB`` every 50 ms by default, which serialises contended writers badly: see ``tools/bench.py``).
+    The descriptor is opened lazily per process and reopened after a fork: a forked child must not share the
+    parent's open file description, or the two would hold "one" lock together.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self._path = os.path.join(directory, LOCK)
+        self._pid = -1
+        self._fd = -1
+        self._thread_lock = threading.Lock()
+
+    def _ensure(self) -> None:
+        if self._pid != os.getpid():
+            self._thread_lock = threading.Lock()  # a lock held by another thread at fork time stays held forever
+            try:
+                self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise CacheFormatError(_lock_missing(self._path)) from None
+            except IsADirectoryError:
+                raise CacheFormatError(f"{self._path} is a directory, expected an empty lock file; remove the cache "
+                                       "and build it again") from None
+            self._pid = os.getpid()
+
+    def __enter__(self) -> WriterLock:
+        self._ensure()
+        self._thread_lock.acquire()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            if os.fstat(self._fd).st_nlink == 0:
+                # Someone removed or replaced the lock file: processes locking a new file would not exclude us.
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                raise CacheFormatError(_lock_missing(self._path))
+        except BaseException:
+            self._thread_lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._thread_lock.release()
+
+    def close(self) -> None:
+        if self._pid == os.getpid() and self._fd >= 0:
+            os.close(self._fd)  # only our own descriptor: an inherited one belongs to the parent
+        self._fd, self._pid = -1, -1
+
+
+def _lock_missing(path: str) -> str:
+    return (
+        f"{path} was removed or replaced while the cache is in use, so writers no longer exclude each other; "
+        "stop the processes using this cache, then remove it (`mmapcache rm --force`) and build it again"
+    )
+
+
+class SlotState:
+    """The mapped state files of one cache (see ``_format``): filled bits, stale bits and seqlock counters.
+
+    Safe across processes: readers are lock-free, writers go through ``publish``/``mark_stale``, which take the
+    writer lock. Attribute access to the memoryviews is the warm read path; keep it free of calls.
+    """
+
+    def __init__(self, directory: str, rows: int, writable: bool) -> None:
+        self.rows = rows
+        self.writable = writable
+        self.lock = WriterLock(directory)
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        nbits = bitmap_bytes(rows)
+        self._maps = [
+            _map_exact(os.path.join(directory, name), size, access, writable)
+            for name, size in ((FILLED, nbits), (STALE, nbits), (SEQ, 4 * rows))
+        ]
+        filled_map, stale_map, seq_map = self._maps
+        # memoryviews index ~3x faster than numpy scalars; numpy views serve the vectorised paths.
+        self.filled = memoryview(filled_map)
+        self.stale = memoryview(stale_map)
+        self.seq = memoryview(seq_map).cast("I")
+        self.filled_np = np.frombuffer(filled_map, np.uint8)
+        self.stale_np = np.frombuffer(stale_map, np.uint8)
+        self.seq_np = np.frombuffer(seq_map, "<u4")
+
+    # --- reading (lock-free) -----------------------------------------------------------------------------------
+
+    def is_filled(self, row: int) -> bool:
+        return bool(self.filled[row >> 3] >> (row & 7) & 1) and not self.seq[row] & 1
+
+    def filled_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Boolean mask of the given rows that hold a complete sample (filled bit set, counter even)."""
+        bits = (self.filled_np[rows >> 3] >> (rows & 7).astype(np.uint8)) & 1
+        return (bits == 1) & (self.seq_np[rows] & 1 == 0)
+
+    def stale_rows(self, rows: np.ndarray) -> np.ndarray:
+        return ((self.stale_np[rows >> 3] >> (rows & 7).astype(np.uint8)) & 1) == 1
+
+    def filled_mask(self) -> np.ndarray:
+        """Boolean array over all rows: filled bit set."""
+        return np.unpackbits(self.filled_np, bitorder="little", count=self.rows).astype(bool)
+
+    def stale_mask(self) -> np.ndarray:
+        return np.unpackbits(self.stale_np, bitorder="little", count=self.rows).astype(bool)
+
+    def count_filled(self) -> int:
+        return int(np.unpackbits(self.filled_np, bitorder="little", count=self.rows).sum())
+
+    def check_consistency(self, where: str) -> None:
+        """Detects damaged state files: bits past the end, or filled rows that were never written."""
+        extra = self.rows % 8
+        for name, bits in ((FILLED, self.filled_np), (STALE, self.stale_np)):
+            if extra and len(bits) and bits[-1] >> extra:
+                raise CacheFormatError(
+                    f"{where}/{name}: bits are set past row {self.rows}, the cache's size; the file is damaged: "
+                    f"remove the cache (`mmapcache rm --force {where}`) and build it again"
+                )
+        never_written = self.filled_mask() & (self.seq_np == 0)
+        if never_written.any():
+            rows = np.flatnonzero(never_written)
+            raise CacheFormatError(
+                f"{where}/{FILLED}: {len(rows)} row(s) (first: {rows[0]}) are marked filled but were never written "
+                f"(their counter in {SEQ} is 0); the file is damaged: remove the cache (`mmapcache rm --force "
+                f"{where}`) and build it again"
+            )
+
+    # --- writing (under the writer lock) -----------------------------------------------------------------------
+
+    def _require_writable(self) -> None:
+        if not self.writable:
+            raise CacheReadOnlyError(
+                "this process opened the cache read-only (no write permission on its files, or a read-only mount)"
+            )
+
+    def publish(self, row: int, write: Callable[[], None], *, replace: bool = False) -> bool:
+        """Stores row ``row`` by calling ``write()`` under the lock, unless it is already filled and not stale.
+
+        ``replace=True`` rewrites a filled row even if it is not stale (used by refresh in tests and tools).
+        Returns whether this call stored the row. Safe across processes and threads.
+        """
+        self._require_writable()
+        with self.lock:
+            return self._publish_locked(row, write, replace)
+
+    def _publish_locked(self, row: int, write: Callable[[], None], replace: bool) -> bool:
+        """Caller holds the writer lock."""
+        byte, mask = row >> 3, 1 << (row & 7)
+        seq = self.seq[row]
+        filled = bool(self.filled[byte] & mask) and not seq & 1  # odd: a writer died mid-write
+        if filled and not replace and not self.stale[byte] & mask:
+            return False
+        self.seq[row] = (seq | 1) & 0xFFFFFFFF
+        write()
+        self.seq[row] = ((seq | 1) + 1) & 0xFFFFFFFF or 2  # wraps past 0 to 2: 0 means "never written"
+        self.filled[byte] |= mask
+        self.stale[byte] &= ~mask & 0xFF
+        return True
+
+    def mark_stale(self, rows: np.ndarray) -> int:
+        """Marks the given rows stale (only those that are filled). Returns how many were newly marked."""
+        self._require_writable()
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        with self.lock:
+            filled = self.filled_mask()[rows]
+            stale = self.stale_mask()
+            targets = rows[filled & ~stale[rows]]
+            stale[targets] = True
+            self.stale_np[:] = np.packbits(stale, bitorder="little")
+        return len(targets)
+
+    def clear(self, rows: np.ndarray) -> None:
+        """Marks rows unfilled and not stale (their bytes are left; they will be written again)."""
+        self._require_writable()
+        with self.lock:
+            for name in ("filled_np", "stale_np"):
+                mask = np.unpackbits(getattr(self, name), bitorder="little", count=self.rows).astype(bool)
+                mask[np.asarray(rows, dtype=np.int64)] = False
+                getattr(self, name)[:] = np.packbits(mask, bitorder="little")
+
+    def close(self) -> None:
+        self.lock.close()
+        # Views must go before their maps can close; a map still exported elsewhere stays open until collected.
+        del self.filled, self.stale, self.seq, self.filled_np, self.stale_np, self.seq_np
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:
+                pass
+        self._maps = []
+
+
+def _map_exact(path: str, size: int, access: int, writable: bool) -> mmap.mmap:
+    """Maps a state file, checking it has exactly the expected size."""
+    try:
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CacheFormatError(f"{path} is missing; the cache is damaged: remove it and build it again") from None
+    except IsADirectoryError:
+        raise CacheFormatError(f"{path} is a directory, expected a file of {size} bytes; the cache is damaged: "
+                               "remove it and build it again") from None
+    try:
+        found = os.fstat(fd).st_size
+        if found != size:
+            raise CacheFormatError(
+                f"{path} has {found} bytes, expected {size}; the file is truncated or damaged: remove the cache "
+                "(`mmapcache rm --force`) and build it again"
+            )
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, access=access) if size else mmap.mmap(-1, 1)
+    finally:
+        os.close(fd)
+
+
+class ChunkClaims:
+    """Build workers' claims on chunks of rows: POSIX byte-range locks on byte ``c`` of ``<cache>/lock``.
+
+    A claim is held by this process until released or until it dies (the kernel drops it), so concurrent builds
+    skip each other's chunks instead of computing the same samples. POSIX locks belong to the process: closing
+    *any* descriptor of the lock file drops them all, so this class keeps its own descriptor open until ``close``.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self._path = os.path.join(directory, LOCK)
+        self._fd = -1
+
+    def try_claim(self, chunk: int) -> bool:
+        if self._fd < 0:
+            self._fd = os.open(self._path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, chunk)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EAGAIN):
+                return False
+            raise
+        return True
+
+    def release(self, chunk: int) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, chunk)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,166 @@
+"""The warm read path: copying rows out of the maps under the seqlock, one row or a batch at a time.
+
+Everything a read needs is precomputed here once per process (numpy views, converters, the sample builder), so a
+hit costs no memmap construction, lock, file system call or JSON: a few memoryview loads, one copy per field,
+and the rebuild of the sample's containers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from ._layout import BOOL, FLOAT, INT, NPSCALAR, TENSOR, Field, batch_builder, compile_checker, batch_converter, leaf_converter, \
+    sample_builder
+from ._store import Store
+
+# A reader that loses the seqlock race this many times in a row (a row rewritten again and again) gives up and
+# treats the row as a miss, which waits for the writer lock instead of spinning.
+_RETRIES = 4
+
+
+class RowReader:
+    """Reads complete rows of one open store. Safe across processes and threads (it never writes state)."""
+
+    def __init__(self, store: Store, *, recompute_stale: bool) -> None:
+        self.store = store
+        self.state = store.state
+        self.recompute_stale = recompute_stale
+        layout = store.layout
+        self.fields = layout.fields
+        self.data = store.data
+        self.shapes = store.shapes
+        self.variable = any(f.variable for f in self.fields)
+        self.build = sample_builder(layout.structure)
+        self.check = compile_checker(layout)
+        self.build_batch = batch_builder(layout.structure)
+        self._readers = [self._field_reader(n) for n in range(len(self.fields))]
+        self._batch_converters = [batch_converter(f) for f in self.fields]
+        self._splitters = [_splitter(f) for f in self.fields]
+        self._row_bytes = [f.nbytes for f in self.fields]
+
+    def _field_reader(self, n: int) -> Callable[[int], Any]:
+        """A function copying field ``n`` of a row out of the map, as the type the source returned."""
+        field, data, shapes = self.fields[n], self.data[n], self.shapes[n]
+        if field.kind in (INT, FLOAT, BOOL):
+            return data.item  # Python int/float/bool straight from the buffer
+        if field.kind == NPSCALAR:
+            return lambda row: data[row].copy()[()]
+        convert = leaf_converter(field)
+        if shapes is not None:
+            def read_variable(row: int) -> Any:
+                shape = tuple(shapes[row].tolist())
+                size = int(np.prod(shape, dtype=np.int64))
+                return convert(data[row].reshape(-1)[:size].reshape(shape).copy())
+            return read_variable
+        if not field.shape:
+            return lambda row: convert(data[row, ...].copy())  # data[row] would be a numpy scalar, not an array
+        return lambda row: convert(data[row].copy())
+
+    # --- one row -----------------------------------------------------------------------------------------------
+
+    def read(self, row: int) -> Any | None:
+        """The sample in ``row``, or None if it is not filled (or stale, or being written): a miss."""
+        filled, seq = self.state.filled, self.state.seq
+        byte, bit = row >> 3, row & 7
+        for _ in range(_RETRIES):
+            if not filled[byte] >> bit & 1:
+                return None
+            if self.recompute_stale and self.state.stale[byte] >> bit & 1:
+                return None
+            before = seq[row]
+            if before & 1:
+                return None
+            leaves = [read(row) for read in self._readers]
+            if seq[row] == before:
+                return self.build(leaves)
+        return None
+
+    def read_values(self, row: int) -> list[np.ndarray] | None:
+        """The flattened stored values of ``row`` (numpy, at actual shape), or None on a miss."""
+        filled, seq = self.state.filled, self.state.seq
+        byte, bit = row >> 3, row & 7
+        for _ in range(_RETRIES):
+            if not filled[byte] >> bit & 1 or (self.recompute_stale and self.state.stale[byte] >> bit & 1):
+                return None
+            before = seq[row]
+            if before & 1:
+                return None
+            values = [self._raw(n, row) for n in range(len(self.fields))]
+            if seq[row] == before:
+                return values
+        return None
+
+    def _raw(self, n: int, row: int) -> np.ndarray:
+        shapes = self.shapes[n]
+        if shapes is None:
+            return self.data[n][row, ...].copy()
+        shape = tuple(shapes[row].tolist())
+        return self.data[n][row].reshape(-1)[: int(np.prod(shape, dtype=np.int64))].reshape(shape).copy()
+
+    def write(self, row: int, values: list[Any]) -> None:
+        """Copies a checked sample's values into ``row``. The caller holds the writer lock (``publish``).
+
+        Arrays go through ``pwrite`` (the kernel copies into the shared pages; no page faults in this process),
+        scalars through the map.
+        """
+        for data, shapes, fd, offset, row_bytes, value in zip(
+            self.data, self.shapes, self.store.data_fds, self.store.data_offsets, self._row_bytes, values
+        ):
+            if shapes is not None:
+                shapes[row] = value.shape
+            if fd < 0 or data.ndim == 1:
+                data[row] = value
+            else:
+                _pwrite_all(fd, np.ascontiguousarray(value), offset + row * row_bytes)
+
+    # --- batches -----------------------------------------------------------------------------------------------
+
+    def gather(self, rows: np.ndarray, alloc: Callable[..., np.ndarray] = np.empty) -> tuple[list[np.ndarray], list[int]]:
+        """Copies the given rows (fixed-shape fields only) into fresh per-field batch arrays, in order.
+
+        Returns the arrays and the positions that could not be read (not cacheable, not filled, stale under
+        ``recompute``, or rewritten during the copy); the caller fills those positions.
+        """
+        n = len(rows)
+        state = self.state
+        cacheable = rows >= 0
+        safe_rows = np.where(cacheable, rows, 0)
+        readable = cacheable & state.filled_rows(safe_rows)
+        if self.recompute_stale:
+            readable &= ~state.stale_rows(safe_rows)
+        before = state.seq_np[safe_rows]
+        columns = []
+        for field, data in zip(self.fields, self.data):
+            out = alloc((n, *field.shape), field.np_dtype)
+            np.take(data, safe_rows, axis=0, out=out, mode="clip")
+            columns.append(out)
+        readable &= state.seq_np[safe_rows] == before
+        return columns, np.flatnonzero(~readable).tolist()
+
+    def split(self, columns: list[np.ndarray]) -> list[list[Any]]:
+        """Per field, the list of per-sample values of a gathered batch (views into the fresh batch arrays)."""
+        return [split(column) for split, column in zip(self._splitters, columns)]
+
+    def collate(self, columns: list[np.ndarray]) -> Any:
+        """The batch as ``default_collate`` would build it, from gathered columns (no extra copy)."""
+        return self.build_batch([convert(column) for convert, column in zip(self._batch_converters, columns)])
+
+
+def _splitter(field: Field) -> Callable[[np.ndarray], list[Any]]:
+    """Splits a gathered batch array into per-sample values of the source's types."""
+    if field.kind == TENSOR:
+        convert = batch_converter(field)
+        return lambda batch: list(convert(batch).unbind(0))
+    if field.kind in (INT, FLOAT, BOOL):
+        return lambda batch: batch.tolist()
+    return list  # ndarray rows (views of the fresh batch) or numpy scalars (iteration yields copies)
+
+
+def _pwrite_all(fd: int, value: np.ndarray, offset: int) -> None:
+    view = memoryview(value).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written

@@ -1,0 +1,56 @@
+"""The exception hierarchy of mmapcache.
+
+Every exception is constructible from one message string, because DataLoader workers re-raise a worker's
+exception in the main process as ``type(exc)(message)`` (``torch/_utils.py``, ``ExceptionWrapper.reraise``).
+Messages say what went wrong, where (file, index, field path), what was found versus expected, and the fix.
+Each class also inherits the builtin exception a caller would naturally catch.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MmapCacheError",
+    "CacheNotFoundError",
+    "CacheFormatError",
+    "CacheMismatchError",
+    "CacheReadOnlyError",
+    "InsufficientSpaceError",
+    "SampleNotCachedError",
+    "LayoutError",
+]
+
+
+class MmapCacheError(Exception):
+    """Base class of every error raised by mmapcache."""
+
+
+class CacheNotFoundError(MmapCacheError, FileNotFoundError):
+    """No cache exists at the given path (and none could be created: no source dataset was given)."""
+
+
+class CacheFormatError(MmapCacheError, ValueError):
+    """The path is not a cache, or its files are damaged, truncated or of an unknown format version."""
+
+
+class CacheMismatchError(MmapCacheError, ValueError):
+    """An existing cache was made from a different source: length, fingerprint, layout or options differ."""
+
+
+class CacheReadOnlyError(MmapCacheError, PermissionError):
+    """The cache cannot be written by this process (file mode or a read-only mount)."""
+
+
+class InsufficientSpaceError(MmapCacheError, OSError):
+    """The file system holding the cache has too little free space to reserve it."""
+
+
+class SampleNotCachedError(MmapCacheError, KeyError):
+    """A sample was asked of a cache opened without a source dataset, and it is not filled."""
+
+    def __str__(self) -> str:
+        # KeyError.__str__ repr()s its argument, which would wrap the message in quotes.
+        return str(self.args[0]) if self.args else ""
+
+
+class LayoutError(MmapCacheError, TypeError):
+    """A sample cannot be stored: an unsupported leaf type, or a layout that differs from the cache's."""

@@ -1,0 +1,28 @@
+"""Shared fixtures: every test gets its own cache directory on the real /dev/shm, removed afterwards."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Iterator
+
+import pytest
+
+SHM = "/dev/shm"
+
+
+@pytest.fixture
+def shm_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A fresh directory on /dev/shm (tmpfs, where users put caches), also set as ``MMAPCACHE_DIR``."""
+    path = os.path.join(SHM, f"mmapcache-test-{uuid.uuid4().hex[:12]}")
+    os.makedirs(path)
+    monkeypatch.setenv("MMAPCACHE_DIR", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def cache_path(shm_dir: str) -> str:
+    """A path for a new cache (not yet created) inside ``shm_dir``."""
+    return os.path.join(shm_dir, "cache")
