@@ -132,6 +132,9 @@ class RowReader:
         if self.recompute_stale:
             readable &= ~state.stale_rows(safe_rows)
         before = state.seq_np[safe_rows]
+        # The counter must be even *when the copy starts*: a writer that began between the filled check above and
+        # this load leaves it odd for the whole copy, so "unchanged after the copy" alone would accept a torn row.
+        readable &= (before & 1) == 0
         columns = []
         for field, data in zip(self.fields, self.data):
             out = alloc((n, *field.shape), field.np_dtype)
@@ -160,7 +163,8 @@ def _splitter(field: Field) -> Callable[[np.ndarray], list[Any]]:
 
 
 def _pwrite_all(fd: int, value: np.ndarray, offset: int) -> None:
-    view = memoryview(value).cast("B")
+    # Flattened first: memoryview refuses to cast a multi-dimensional view with a zero in its shape (0x3 field).
+    view = memoryview(value.reshape(-1)).cast("B")
     while view:
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written
