@@ -1,0 +1,185 @@
+"""What ``mmapcache inspect`` and ``mmapcache ls`` show: a cache's description, its fill map, cache listings.
+
+Numpy only (``_store``, ``_format``, ``_filled``, ``_layout``): inspecting a cache never imports torch.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _format as fmt
+from ._sizes import format_size
+from ._store import Store, free_bytes, is_cache, users_of
+from .errors import MmapCacheError
+
+__all__ = ["describe", "render", "fill_map", "disk_bytes", "list_caches", "render_list"]
+
+# Density ramp of the fill map: a cell's character says how full its range of indices is (empty ... full).
+_RAMP = " .:-=+*#%@"
+_CELLS = 64
+
+
+def disk_bytes(path: str) -> int:
+    """Bytes the files of a cache directory occupy (allocated blocks, not apparent sizes)."""
+    total = 0
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
+
+
+def fill_map(filled_per_index: np.ndarray, cells: int = _CELLS) -> str:
+    """One character per range of source indices, from ``_RAMP`` by the share of that range that is filled.
+
+    ``filled_per_index`` holds, per source index, the fraction of its rows (variants) that are filled, or NaN
+    for an index the cache cannot hold (``max_bytes``/``cache_indices``). A cell of only such indices is ``_``;
+    otherwise an empty cell is ``' '``, a full one ``'@'``, and any filled row at all shows at least ``'.'``.
+    """
+    n = len(filled_per_index)
+    if n == 0:
+        return ""
+    cells = min(cells, n)
+    edges = np.linspace(0, n, cells + 1).astype(np.int64)
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        part = filled_per_index[a:b]
+        part = part[~np.isnan(part)]
+        if len(part) == 0:
+            out.append("_")
+            continue
+        share = float(part.mean())
+        if share <= 0:
+            out.append(_RAMP[0])
+        elif share >= 1:
+            out.append(_RAMP[-1])
+        else:
+            out.append(_RAMP[1 + int(share * (len(_RAMP) - 2))])
+    return "".join(out)
+
+
+def describe(path: str) -> dict[str, Any]:
+    """Everything ``inspect`` reports about the cache at ``path`` (opened read-only, not registered as a user).
+
+    Raises:
+        CacheNotFoundError, CacheFormatError: no cache there, or a damaged one.
+    """
+    store = Store(path, writable=False)
+    try:
+        meta, state = store.meta, store.state
+        rows = np.arange(store.rows, dtype=np.int64)
+        filled = state.filled_rows(rows) if store.rows else np.zeros(0, bool)
+        stale = state.stale_rows(rows) & filled if store.rows else np.zeros(0, bool)
+        per_index = np.full(store.length, np.nan)
+        if store.rows:
+            per_slot = filled.reshape(store.slots, store.variants).mean(axis=1)
+            if store.slot_index is None:
+                per_index[: store.slots] = per_slot
+            else:
+                per_index[store.slot_index] = per_slot
+        fields = []
+        for field, spec in zip(store.layout.fields, meta["fields"]):
+            fields.append({
+                "name": field.name, "kind": field.kind, "dtype": field.torch_dtype or np.dtype(field.dtype).name,
+                "shape": list(field.shape), "variable": field.variable, "file": spec["file"],
+            })
+        modified = os.stat(os.path.join(path, fmt.FILLED)).st_mtime
+        n_filled = int(filled.sum())
+        return {
+            "path": path,
+            "format_version": meta["format_version"],
+            "library_version": meta.get("library_version"),
+            "length": store.length,
+            "slots": store.slots,
+            "slot_fraction": store.slots / store.length if store.length else 0.0,
+            "variants": store.variants,
+            "rows": store.rows,
+            "filled": n_filled,
+            "fraction": n_filled / store.rows if store.rows else 0.0,
+            "stale": int(stale.sum()),
+            "bytes": disk_bytes(path),
+            "free_bytes": free_bytes(path),
+            "fingerprint": meta["fingerprint"],
+            "delete_on_close": bool(meta.get("delete_on_close")),
+            "created": meta.get("created"),
+            "modified": _dt.datetime.fromtimestamp(modified, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "fields": fields,
+            "users": users_of(path),
+            "fill_map": fill_map(per_index),
+        }
+    finally:
+        store.close()
+
+
+def render(info: dict[str, Any]) -> str:
+    """``describe``'s result as aligned text lines."""
+    slots = f"{info['slots']} of {info['length']} ({100 * info['slot_fraction']:.1f}%)"
+    fields = [f"{f['name']}: {f['dtype']} {tuple(f['shape'])}{' (max, variable)' if f['variable'] else ''}"
+              for f in info["fields"]]
+    users = ", ".join(map(str, info["users"])) or "none"
+    lines = [
+        ("path", info["path"]),
+        ("format", f"version {info['format_version']} (written by mmapcache {info['library_version']})"),
+        ("length", str(info["length"])),
+        ("cacheable", slots),
+        ("variants", str(info["variants"])),
+        ("filled", f"{info['filled']} of {info['rows']} rows ({100 * info['fraction']:.1f}%)"),
+        ("stale", str(info["stale"])),
+        ("size", f"{format_size(info['bytes'])} on disk, {format_size(info['free_bytes'])} free on its file system"),
+        ("fingerprint", str(info["fingerprint"])),
+        ("created", str(info["created"])),
+        ("modified", info["modified"]),
+        ("users", users),
+        ("fields", fields[0] if fields else ""),
+    ]
+    width = max(len(k) for k, _ in lines) + 1
+    text = [f"{k + ':':<{width}} {v}" for k, v in lines]
+    text += [f"{'':<{width}} {f}" for f in fields[1:]]
+    text.append(f"{'fill map:':<{width}} |{info['fill_map']}|  (index 0 ... {info['length'] - 1}; ' ' empty, '@' full, "
+                f"'_' not cacheable)")
+    return "\n".join(text)
+
+
+def list_caches(directory: str) -> list[dict[str, Any]]:
+    """One entry per cache directly under ``directory`` (sorted by name); damaged caches carry ``error``."""
+    entries = []
+    for name in sorted(os.listdir(directory)):
+        full = os.path.join(directory, name)
+        if name.startswith(".") or os.path.islink(full) or not is_cache(full):
+            continue
+        entry: dict[str, Any] = {"name": name, "path": full, "users": users_of(full)}
+        try:
+            store = Store(full, writable=False)
+        except (MmapCacheError, OSError) as exc:
+            entry["error"] = str(exc)
+            entry["bytes"] = disk_bytes(full)
+            entries.append(entry)
+            continue
+        try:
+            filled = store.state.count_filled()
+            entry.update(length=store.length, variants=store.variants, rows=store.rows, filled=filled,
+                         fraction=filled / store.rows if store.rows else 0.0, bytes=disk_bytes(full))
+        finally:
+            store.close()
+        entries.append(entry)
+    return entries
+
+
+def render_list(entries: list[dict[str, Any]]) -> str:
+    """``list_caches``'s result as an aligned table."""
+    table = [("NAME", "LENGTH", "FILLED", "SIZE", "USERS")]
+    for e in entries:
+        users = ",".join(map(str, e["users"])) or "-"
+        if "error" in e:
+            table.append((e["name"], "?", "damaged", format_size(e["bytes"]), users))
+        else:
+            table.append((e["name"], str(e["length"]), f"{100 * e['fraction']:.1f}%", format_size(e["bytes"]), users))
+    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
+    lines = []
+    for row in table:
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:-1], widths[1:-1])] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

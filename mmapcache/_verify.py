@@ -1,0 +1,129 @@
+"""``mmapcache verify``: checking a cache's files and state, and comparing stored samples with a fresh source.
+
+Opening a ``Store`` already checks ``meta.json``, every ``.npy`` header and size, the state files' sizes, bits past
+the end and filled rows never written. This module adds the checks that need a scan of the state (stale bits
+without filled bits, stored shapes outside their field's maximum) and the recomputation of filled samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from . import _format as fmt
+from ._store import Store
+
+__all__ = ["VerifyResult", "verify"]
+
+
+@dataclasses.dataclass
+class VerifyResult:
+    """``problems``: damage found in the files; ``differences``: stored samples unequal to the source's;
+    ``compared``: rows compared with the source; ``interrupted``: rows a dead writer left mid-write (they count
+    as unfilled and will be written again: not damage)."""
+
+    path: str
+    rows: int = 0
+    filled: int = 0
+    compared: int = 0
+    interrupted: int = 0
+    problems: list[str] = dataclasses.field(default_factory=list)
+    differences: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.differences
+
+
+def verify(path: str, dataset: Any = None, *, samples: int | None = 100, seed: int | None = None) -> VerifyResult:
+    """Checks the cache at ``path``; with ``dataset``, recomputes filled samples and compares them byte for byte.
+
+    Args:
+        path: the cache directory.
+        dataset: the source (deterministic: a source with random augmentation always differs).
+        samples: how many filled samples (source indices) to recompute, chosen at random; None: all of them.
+        seed: seed of that choice (None: a fresh one).
+
+    Raises:
+        CacheNotFoundError, CacheFormatError: no cache, or damage found while opening it.
+    """
+    store = Store(path, writable=False)
+    result = VerifyResult(path, rows=store.rows)
+    try:
+        _check_state(store, result)
+        if dataset is not None:
+            if len(dataset) != store.length:
+                result.problems.append(f"the source has {len(dataset)} samples, the cache {store.length}: it was made "
+                                       "from another source (or other --kwargs)")
+            else:
+                _compare(store, dataset, samples, seed, result)
+    finally:
+        store.close()
+    return result
+
+
+def _check_state(store: Store, result: VerifyResult) -> None:
+    state = store.state
+    filled_bit = state.filled_mask()
+    odd = (state.seq_np & 1) == 1
+    result.interrupted = int((filled_bit & odd).sum())
+    result.filled = int((filled_bit & ~odd).sum())
+    stray = state.stale_mask() & ~filled_bit
+    if stray.any():
+        rows = np.flatnonzero(stray)
+        result.problems.append(f"{store.path}/{fmt.STALE}: {len(rows)} row(s) (first: {rows[0]}) are marked stale but "
+                               "not filled, which no writer does: the file is damaged")
+    complete = filled_bit & ~odd
+    for field, shapes, spec in zip(store.layout.fields, store.shapes, store.meta["fields"]):
+        if shapes is None:
+            continue
+        stored = shapes[complete]
+        bad = (stored < 0).any(axis=1) | (stored > np.asarray(field.shape, dtype=np.int64)).any(axis=1)
+        if bad.any():
+            row = int(np.flatnonzero(complete)[np.argmax(bad)])
+            result.problems.append(f"{store.path}/{spec['shape_file']}: row {row} holds shape {tuple(shapes[row])}, "
+                                   f"outside field {field.name!r}'s maximum {field.shape}: the file is damaged")
+
+
+def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, result: VerifyResult) -> None:
+    from ._reader import RowReader
+
+    reader = RowReader(store, recompute_stale=False)
+    k = store.variants
+    filled = store.state.filled_rows(np.arange(store.rows, dtype=np.int64))
+    slots = np.flatnonzero(filled.reshape(store.slots, k).any(axis=1)) if store.rows else np.zeros(0, np.int64)
+    if samples is not None and samples < len(slots):
+        slots = np.sort(np.random.default_rng(seed).choice(slots, size=samples, replace=False))
+    set_epoch = getattr(dataset, "set_epoch", None) if k > 1 else None
+    for slot in slots.tolist():
+        index = slot if store.slot_index is None else int(store.slot_index[slot])
+        for variant in range(k):
+            row = slot * k + variant
+            if not filled[row]:
+                continue
+            stored = reader.read_values(row)
+            if stored is None:
+                continue  # being rewritten right now
+            if set_epoch is not None:
+                set_epoch(variant)
+            try:
+                fresh = reader.check(dataset[index], index)
+            except Exception as exc:
+                result.differences.append(f"sample {index}: the source raised {type(exc).__name__}: {exc}")
+                continue
+            result.compared += 1
+            for field, a, b in zip(store.layout.fields, stored, fresh):
+                a = np.asarray(a, dtype=field.np_dtype)
+                b = _as_stored(b, field.np_dtype)
+                if a.shape != b.shape or a.tobytes() != b.tobytes():
+                    where = f"sample {index}" + (f" variant {variant}" if k > 1 else "")
+                    result.differences.append(f"{where} (row {row}), field {field.name!r}: the stored value differs "
+                                              "from the source's")
+                    break
+
+
+def _as_stored(value: Any, dtype: np.dtype) -> np.ndarray:
+    """A checked value (numpy array or scalar; tensors numpy lacks are already viewed as raw ints) as stored."""
+    return np.asarray(value, dtype=dtype)

@@ -1,0 +1,407 @@
+"""The ``mmapcache`` command line: build, inspect, ls, rm, verify, gc.
+
+``main(argv=None) -> int`` parses the arguments (stdlib argparse) and calls library functions. User errors
+(bad arguments, missing or damaged caches, unimportable specs) print one ``mmapcache: error: ...`` line to stderr
+and return 2; ``--debug`` shows the traceback instead. Torch is imported only by the commands that need a dataset
+(build, verify --source), so inspect, ls, rm and gc start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import textwrap
+import traceback
+from typing import Any, Callable, NoReturn, Sequence
+
+from .errors import MmapCacheError
+
+__all__ = ["main"]
+
+_PROG = "mmapcache"
+_EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A problem with the command line; printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage dump), raised so ``main`` decides the exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=32)
+
+
+# --- argument types (each raises ArgumentTypeError with the fix) -------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1] (e.g. 0.1)")
+    return value
+
+
+def _size(text: str) -> int:
+    from ._sizes import parse_size
+
+    try:
+        return parse_size(text, "--max-bytes")
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _shard(text: str) -> tuple[int, int]:
+    from .build import parse_shard
+
+    try:
+        return parse_shard(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _range(text: str) -> tuple[int, int | None]:
+    from .build import parse_range
+
+    try:
+        return parse_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# --- the parser --------------------------------------------------------------------------------------------------
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog=_PROG, formatter_class=_formatter,
+        description="Build, inspect and manage mmapcache caches (shared, file-backed copies of PyTorch datasets).",
+        epilog=textwrap.dedent("""\
+            examples:
+              mmapcache build imagenet-224 --dataset mypkg.data:ImageNet --kwargs '{"root": "/data/imagenet"}'
+              mmapcache ls
+              mmapcache inspect imagenet-224
+            A bare cache name resolves under $MMAPCACHE_DIR (default /dev/shm/mmapcache).
+            """),
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
+
+    def add(name: str, help: str, example: str, description: str = "") -> _Parser:
+        return sub.add_parser(name, help=help, parents=[common], formatter_class=_formatter,
+                              description=description or help, epilog="example:\n" + textwrap.indent(example, "  "))
+
+    p = add("build", "create a cache if needed and fill it in parallel",
+            "mmapcache build imagenet-224 --dataset mypkg.data:ImageNet \\\n"
+            "    --kwargs '{\"root\": \"/data/imagenet\", \"size\": 224}' --workers 16 --max-bytes 64G\n"
+            "torchrun --nproc-per-node 8 -m mmapcache build imagenet-224 --dataset mypkg.data:ImageNet",
+            description=textwrap.dedent("""\
+                Create the cache at PATH if it is missing, then fill every row that is not filled yet (or is stale)
+                with --workers processes, each building its own copy of the dataset from --dataset. Safe to
+                interrupt (Ctrl-C, kill -9) and rerun: it fills only what is missing. Safe next to other builds
+                and training processes on the same cache: workers claim chunks of rows, so no sample is
+                computed twice on purpose.
+
+                --shard I/N fills chunks c (runs of consecutive rows) with c % N == I: N disjoint parts that
+                together cover the cache. Under torchrun (LOCAL_RANK and LOCAL_WORLD_SIZE set) each local rank
+                takes its part automatically.
+
+                Exit status: 0 complete, 1 some samples failed (listed), 2 usage error, 130 interrupted."""))
+    p.add_argument("path", metavar="PATH", help="cache directory, or a bare name under $MMAPCACHE_DIR")
+    p.add_argument("--dataset", required=True, metavar="SPEC",
+                   help="'package.module:name' or 'path/to/file.py:name': a Dataset class or factory")
+    p.add_argument("--kwargs", metavar="JSON", help="keyword arguments for SPEC, a JSON object")
+    p.add_argument("--workers", type=_positive_int, metavar="N", help="worker processes (default: usable CPUs)")
+    p.add_argument("--shard", type=_shard, metavar="I/N", help="fill only the I-th of N disjoint parts")
+    p.add_argument("--fingerprint", metavar="STR", help="identification of the source, checked on reuse")
+    p.add_argument("--indices", type=_range, metavar="A:B", help="only source indices A <= i < B")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first sample that raises")
+    p.add_argument("--max-bytes", type=_size, metavar="SIZE",
+                   help="on creation, cache only the samples that fit (e.g. 8G)")
+    p.add_argument("--variants", type=_positive_int, metavar="K",
+                   help="on creation, store K versions of each sample (the source is called K times)")
+    p.add_argument("--refresh", type=_fraction, metavar="FRACTION",
+                   help="first mark this fraction of filled rows stale, then refill them")
+    p.add_argument("--follow", action="store_true",
+                   help="keep running: refill rows that become stale or unfilled (poll 0.5 s) until SIGINT/SIGTERM")
+    p.set_defaults(run=_cmd_build)
+
+    p = add("inspect", "describe a cache", "mmapcache inspect imagenet-224 --json | jq .fraction")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(run=_cmd_inspect)
+
+    p = add("ls", "list the caches in a directory", "mmapcache ls /dev/shm/mmapcache")
+    p.add_argument("dir", nargs="?", metavar="DIR", help="default: $MMAPCACHE_DIR or /dev/shm/mmapcache")
+    p.add_argument("--json", action="store_true", help="a JSON list")
+    p.set_defaults(run=_cmd_ls)
+
+    p = add("rm", "remove caches (only caches; refuses caches in use unless --force)",
+            "mmapcache rm imagenet-224 old-run")
+    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("--force", action="store_true",
+                   help="remove even if processes use it (they keep their mapped pages) or it is damaged")
+    p.set_defaults(run=_cmd_rm)
+
+    p = add("verify", "check a cache's files, and compare samples with the source",
+            "mmapcache verify imagenet-224 --source mypkg.data:ImageNet --kwargs '{\"root\": \"/data\"}' --samples 500",
+            description=textwrap.dedent("""\
+                Check the cache's format and state files. With --source, also recompute a random sample of the
+                filled samples and compare them byte for byte. Only meaningful for deterministic sources: a
+                source with random augmentation differs on every call.
+
+                Exit status: 0 clean, 1 damage or differences found, 2 usage error."""))
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--source", metavar="SPEC", help="the dataset the cache was built from")
+    p.add_argument("--kwargs", metavar="JSON", help="keyword arguments for SPEC, a JSON object")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--samples", type=_positive_int, default=100, metavar="K",
+                       help="recompute K random filled samples (default 100)")
+    group.add_argument("--all", action="store_true", help="recompute every filled sample")
+    p.set_defaults(run=_cmd_verify)
+
+    p = add("gc", "remove leftovers of dead processes (temporary directories, orphaned delete_on_close caches)",
+            "mmapcache gc /dev/shm/mmapcache")
+    p.add_argument("dir", nargs="?", metavar="DIR", help="default: $MMAPCACHE_DIR or /dev/shm/mmapcache")
+    p.set_defaults(run=_cmd_gc)
+    return parser
+
+
+# --- commands ----------------------------------------------------------------------------------------------------
+
+
+def _resolve(path: str) -> str:
+    from ._store import resolve_path
+
+    try:
+        return resolve_path(path)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _existing_dir(directory: str | None) -> str:
+    from ._store import cache_root
+
+    directory = os.path.abspath(directory or cache_root())
+    if not os.path.exists(directory):
+        return directory
+    if not os.path.isdir(directory):
+        raise UsageError(f"{directory} is a file, not a directory of caches; pass a directory")
+    return directory
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from ._specs import DatasetSpec, parse_kwargs
+    from .build import build
+
+    spec = DatasetSpec(args.dataset, parse_kwargs(args.kwargs))
+    with _sigterm_as_interrupt():
+        report = build(
+            _resolve(args.path), spec, workers=args.workers, shard=args.shard or "auto", indices=args.indices,
+            fingerprint=args.fingerprint, max_bytes=args.max_bytes, variants=args.variants, refresh=args.refresh,
+            follow=args.follow, fail_fast=args.fail_fast, progress=True,
+        )
+    if report.marked_stale:
+        print(f"marked {report.marked_stale} rows stale for refresh")
+    print(report.summary(), flush=True)
+    for failure in report.failed[:20]:
+        print(f"mmapcache: failed: {failure}", file=sys.stderr)
+    if len(report.failed) > 20:
+        print(f"mmapcache: ... and {len(report.failed) - 20} more failures", file=sys.stderr)
+    if report.failed:
+        what = "stopped at the first failure (--fail-fast)" if args.fail_fast else "the other samples are stored"
+        print(f"mmapcache: {len(report.failed)} sample(s) failed; {what}; fix the source and rerun the same command "
+              "to fill what is missing", file=sys.stderr)
+        return 1
+    if report.interrupted and not args.follow:
+        print("mmapcache: interrupted; the cache is consistent: rerun the same command to fill what is missing",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+class _sigterm_as_interrupt:
+    """SIGTERM raises KeyboardInterrupt in this process while active, so a build stops like on Ctrl-C."""
+
+    def __enter__(self) -> None:
+        def interrupt(signum: int, frame: Any) -> None:
+            if os.getpid() == self.pid:  # forked workers inherit the handler; they just exit
+                raise KeyboardInterrupt
+            os._exit(1)
+
+        self.pid = os.getpid()
+        self.previous = signal.signal(signal.SIGTERM, interrupt)
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from ._report import describe, render
+
+    info = describe(_resolve(args.path))
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(render(info))
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from ._report import list_caches, render_list
+
+    directory = _existing_dir(args.dir)
+    entries = list_caches(directory) if os.path.isdir(directory) else []
+    if args.json:
+        print(json.dumps(entries, indent=1))
+    elif entries:
+        print(render_list(entries))
+    else:
+        print(f"no caches in {directory}", file=sys.stderr)
+    return 0
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    from . import _format as fmt
+    from ._store import parent_lock, remove, users_of
+
+    paths = [_resolve(p) for p in args.paths]
+    for path in paths:  # refuse everything before removing anything
+        _check_removable(path, args.force, fmt)
+    status = 0
+    for path in paths:
+        with parent_lock(path):
+            if not os.path.isdir(path):
+                print(f"mmapcache: {path} is already gone", file=sys.stderr)
+                continue
+            users = [pid for pid in users_of(path) if pid != os.getpid()]
+            if users and not args.force:
+                raise UsageError(f"{path} is in use by process(es) {', '.join(map(str, users))}; stop them, or pass "
+                                 "--force (they keep reading their mapped pages until they exit)")
+            remove(path)
+        print(f"removed {path}")
+    return status
+
+
+def _check_removable(path: str, force: bool, fmt: Any) -> None:
+    """Refuses anything that is not a cache; a cache with a damaged meta.json only with --force."""
+    from ._store import users_of
+
+    if os.path.islink(path):
+        raise UsageError(f"{path} is a symbolic link, not a cache; refusing to remove it (remove the link with rm)")
+    if not os.path.exists(path):
+        raise UsageError(f"{path} does not exist; `mmapcache ls` lists the caches")
+    if not os.path.isdir(path):
+        raise UsageError(f"{path} is not a directory, so not an mmapcache cache; refusing to remove it")
+    names = set(os.listdir(path))
+    if fmt.META not in names:
+        raise UsageError(f"{path} is not an mmapcache cache (no {fmt.META}); refusing to remove it")
+    try:
+        fmt.read_meta(path)
+    except MmapCacheError as exc:
+        if not force or not {fmt.LOCK, fmt.USERS, fmt.FILLED} <= names:
+            raise UsageError(f"{path} does not look like a valid cache ({exc}); refusing to remove it"
+                             + ("" if force else "; if it is a damaged cache, pass --force")) from None
+    users = [pid for pid in users_of(path) if pid != os.getpid()]
+    if users and not force:
+        raise UsageError(f"{path} is in use by process(es) {', '.join(map(str, users))}; stop them, or pass "
+                         "--force (they keep reading their mapped pages until they exit)")
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from ._verify import verify
+
+    path = _resolve(args.path)
+    dataset = None
+    if args.source:
+        from ._specs import DatasetSpec, parse_kwargs
+
+        dataset = DatasetSpec(args.source, parse_kwargs(args.kwargs))()
+    elif args.kwargs:
+        raise UsageError("--kwargs needs --source (the dataset to compare with)")
+    result = verify(path, dataset, samples=None if args.all else args.samples)
+    for problem in result.problems:
+        print(f"mmapcache: damage: {problem}", file=sys.stderr)
+    for difference in result.differences[:20]:
+        print(f"mmapcache: differs: {difference}", file=sys.stderr)
+    if len(result.differences) > 20:
+        print(f"mmapcache: ... and {len(result.differences) - 20} more differences", file=sys.stderr)
+    compared = f", {result.compared} compared with the source" if dataset is not None else \
+        " (format only; pass --source to compare samples)"
+    interrupted = f", {result.interrupted} interrupted mid-write (will be refilled)" if result.interrupted else ""
+    verdict = "ok" if result.ok else f"{len(result.problems)} problem(s), {len(result.differences)} difference(s)"
+    print(f"{path}: {verdict}: {result.filled} of {result.rows} rows filled{interrupted}{compared}")
+    if result.differences:
+        print("mmapcache: rebuild the differing samples: `mmapcache rm` the cache and build it again, or refresh them "
+              "(MmapCachedDataset.refresh(indices=...)) and run `mmapcache build`", file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from ._store import parent_lock, sweep
+
+    directory = _existing_dir(args.dir)
+    if not os.path.isdir(directory):
+        print(f"nothing to remove ({directory} does not exist)")
+        return 0
+    with parent_lock(os.path.join(directory, "_")):  # the lock is on the parent of the path given
+        removed = sweep(directory)
+    for path in removed:
+        print(f"removed {path}")
+    if not removed:
+        print(f"nothing to remove in {directory}")
+    return 0
+
+
+# --- entry point -------------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (0 ok, 1 failures or differences, 2 usage error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = _parser().parse_args(argv)
+        run: Callable[[argparse.Namespace], int] = args.run
+        return run(args)
+    except SystemExit as exc:  # --help, or argparse's own exit
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else _EXIT_USAGE)
+    except KeyboardInterrupt:
+        print("mmapcache: interrupted", file=sys.stderr)
+        return 130
+    except (UsageError, MmapCacheError, OSError) as exc:
+        if debug:
+            traceback.print_exc()
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"{_PROG}: error: {message}", file=sys.stderr)
+        return _EXIT_USAGE
+    except (TypeError, ValueError) as exc:
+        # Library validation of user-supplied values (sizes, options); a bug would show with --debug.
+        if debug:
+            traceback.print_exc()
+        print(f"{_PROG}: error: {' '.join(str(exc).split())} (--debug shows the traceback)", file=sys.stderr)
+        return _EXIT_USAGE
