@@ -6,6 +6,7 @@ import os
 import time
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset
 
 from sources import Counting, ImageLabels
@@ -60,8 +61,45 @@ def empty() -> list[Any]:
     return []
 
 
-def slow(n: int = 64, log: str | None = None, delay: float = 0.02) -> Dataset:
-    return images(n, log, delay)
 
 
-_ = (os, time)
+class Gated(Dataset):
+    """Start barrier: each process's first sample announces itself (``waiting-<pid>`` next to ``gate``) and waits
+    until the file ``gate`` exists (at most 60 s), so concurrent builds really overlap."""
+
+    def __init__(self, inner: Dataset, gate: str) -> None:
+        self.inner, self.gate, self.pid = inner, gate, -1
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        if self.pid != os.getpid():
+            self.pid = os.getpid()
+            open(os.path.join(os.path.dirname(self.gate), f"waiting-{self.pid}"), "w").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return self.inner[index]
+
+
+def gated(n: int, log: str, gate: str) -> Dataset:
+    return Gated(images(n, log), gate)
+
+
+class Noisy(Dataset):
+    """``ImageLabels`` plus fresh random noise on every call (random augmentation: variants differ)."""
+
+    def __init__(self, n: int = 16) -> None:
+        self.inner = ImageLabels(n)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> Any:
+        image, label = self.inner[index]
+        return image ^ torch.randint(0, 256, image.shape, dtype=torch.uint8), label
+
+
+def noisy(n: int = 16) -> Dataset:
+    return Noisy(n)

@@ -1,0 +1,223 @@
+"""``mmapcache build`` and ``mmapcache.build.build``: parallel fill, resume after SIGKILL, concurrent builds,
+shards, failures, refresh and follow mode. Builds run as real processes (CLI subprocesses or DataLoader workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from mmapcache import MmapCachedDataset
+from mmapcache.build import build, chunk_rows
+from mmapcache.cli import main
+from sources import ImageLabels, sample_equal
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SPEC = os.path.join(HERE, "cli_sources.py")
+ENV = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def calls(log: str) -> list[int]:
+    if not os.path.exists(log):
+        return []
+    with open(log) as f:
+        return [int(line) for line in f.read().split()]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mmapcache", *args], capture_output=True, text=True, env=ENV,
+                          timeout=timeout)
+
+
+def assert_equals_source(path: str, n: int) -> None:
+    source = ImageLabels(n)
+    with MmapCachedDataset(path) as ds:
+        assert ds.num_cached == n
+        for i in range(n):
+            assert sample_equal(ds[i], source[i]), i
+
+
+def test_build_with_two_workers_then_dataloader_reads_source_bytes(cache_path: str, tmp_path) -> None:
+    log = str(tmp_path / "calls")
+    out = cli("build", cache_path, "--dataset", f"{SPEC}:images", "--kwargs", f'{{"n": 40, "log": "{log}"}}',
+              "--workers", "2")
+    assert out.returncode == 0, out.stderr
+    summary = out.stdout.strip().splitlines()[-1]
+    assert "filled 39, skipped 1 (already there), failed 0" in summary  # sample 0 was stored when creating
+    assert sorted(calls(log)) == list(range(40))  # every sample computed exactly once
+    source = ImageLabels(40)
+    with MmapCachedDataset(cache_path) as ds:  # no source: every read is a hit or SampleNotCachedError
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2)
+        images = torch.cat([batch[0] for batch in loader])
+    expected = torch.stack([source[i][0] for i in range(40)])
+    assert torch.equal(images, expected)
+
+
+def test_sigkilled_build_resumes_and_completes(cache_path: str, tmp_path) -> None:
+    n, log = 200, str(tmp_path / "calls")
+    kwargs = f'{{"n": {n}, "log": "{log}", "delay": 0.01}}'
+    proc = subprocess.Popen([sys.executable, "-m", "mmapcache", "build", cache_path, "--dataset", f"{SPEC}:images",
+                             "--kwargs", kwargs, "--workers", "2"], env=ENV, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 90
+    while len(calls(log)) < 40 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+    os.killpg(proc.pid, signal.SIGKILL)  # the main process and its workers, mid-write or not
+    proc.wait(timeout=30)
+    proc.stderr.close()  # type: ignore[union-attr]
+    with MmapCachedDataset(cache_path) as ds:
+        done = ds.num_cached
+    assert 0 < done < n
+    out = cli("build", cache_path, "--dataset", f"{SPEC}:images", "--kwargs", f'{{"n": {n}}}', "--workers", "2")
+    assert out.returncode == 0, out.stderr
+    summary = out.stdout.strip().splitlines()[-1]
+    skipped = int(summary.split("skipped ")[1].split()[0])
+    filled = int(summary.split("filled ")[1].split(",")[0])
+    assert skipped >= done - 2 and skipped > 0  # a killed writer's rows (odd counter) count as missing
+    assert filled + skipped == n
+    assert_equals_source(cache_path, n)
+
+
+def test_concurrent_builds_share_the_work(cache_path: str, tmp_path) -> None:
+    n, workers = 96, 2
+    MmapCachedDataset(cache_path, ImageLabels(n)).close()  # created, sample 0 stored
+    gate, log = str(tmp_path / "go"), str(tmp_path / "calls")
+    kwargs = f'{{"n": {n}, "log": "{log}", "gate": "{gate}"}}'
+    procs = [subprocess.Popen([sys.executable, "-m", "mmapcache", "build", cache_path, "--dataset",
+                               f"{SPEC}:gated", "--kwargs", kwargs, "--workers", str(workers)], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        # Start barrier: every worker of both builds is waiting inside its first sample before any proceeds.
+        deadline = time.monotonic() + 90
+        while len([f for f in os.listdir(tmp_path) if f.startswith("waiting-")]) < 2 * workers:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "builds did not start"
+            time.sleep(0.02)
+        open(gate, "w").close()
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    for p, (stdout, stderr) in zip(procs, outs):
+        assert p.returncode == 0, stderr
+    filled = [int(stdout.strip().splitlines()[-1].split("filled ")[1].split(",")[0]) for stdout, _ in outs]
+    assert all(f > 0 for f in filled), filled  # both really worked
+    assert sum(filled) == n - 1  # each missing row stored by exactly one of them
+    assert len(calls(log)) <= n - 1 + 2 * chunk_rows(n) * workers, Counter(calls(log)).most_common(3)
+    assert set(calls(log)) == set(range(1, n))
+    assert_equals_source(cache_path, n)
+
+
+def test_shards_cover_everything_exactly_once(cache_path: str, tmp_path) -> None:
+    n, parts = 90, 3
+    logs = [str(tmp_path / f"calls-{i}") for i in range(parts)]
+    for i, log in enumerate(logs):
+        code = main(["build", cache_path, "--dataset", f"{SPEC}:images", "--kwargs", f'{{"n": {n}, "log": "{log}"}}',
+                     "--workers", "2", "--shard", f"{i}/{parts}"])
+        assert code == 0
+        with MmapCachedDataset(cache_path) as ds:
+            assert ds.num_cached < n or i == parts - 1  # a shard fills only its part
+    sets = [set(calls(log)) for log in logs]
+    assert sum(len(calls(log)) for log in logs) == n  # no index computed twice, in or across shards
+    assert set().union(*sets) == set(range(n))
+    assert all(not (a & b) for k, a in enumerate(sets) for b in sets[k + 1:])
+    assert all(len(s) >= n // parts - chunk_rows(n) for s in sets)  # roughly even parts
+    assert_equals_source(cache_path, n)
+
+
+def test_torchrun_local_rank_selects_a_shard(cache_path: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    n = 40
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    report = build(cache_path, f"{SPEC}:images", kwargs={"n": n}, workers=2)
+    with MmapCachedDataset(cache_path) as ds:
+        assert report.filled == ds.num_cached - 1 == n // 2  # rank 1's half (sample 0, rank 0's, came from creation)
+    report = build(cache_path, f"{SPEC}:images", kwargs={"n": n}, workers=2, shard=None)  # explicit: everything
+    assert report.filled == n // 2 - 1 and report.skipped == n // 2 + 1
+    assert_equals_source(cache_path, n)
+
+
+def test_failures_are_reported_and_the_rest_stored(cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["build", cache_path, "--dataset", f"{SPEC}:Failing", "--kwargs", '{"n": 32, "bad": [3, 17]}',
+                 "--workers", "2"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "failed 2" in out
+    assert "sample 3: ValueError: corrupt image file for sample 3" in err
+    assert "sample 17: ValueError" in err
+    with MmapCachedDataset(cache_path) as ds:
+        assert ds.num_cached == 30 and not ds.is_cached(3) and not ds.is_cached(17)
+
+
+def test_fail_fast_stops_at_the_first_failure(cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["build", cache_path, "--dataset", f"{SPEC}:Failing", "--kwargs", '{"n": 200, "bad": [5]}',
+                 "--workers", "1", "--fail-fast"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "failed 1" in out and "--fail-fast" in err
+    with MmapCachedDataset(cache_path) as ds:
+        assert ds.num_cached < 199  # stopped early instead of filling everything else
+
+
+def test_variants_fill_every_row_with_independent_calls(cache_path: str) -> None:
+    n = 24
+    report = build(cache_path, f"{SPEC}:noisy", kwargs={"n": n}, workers=2, variants=3)
+    assert report.ok and report.filled + report.skipped == 3 * n
+    with MmapCachedDataset(cache_path) as ds:
+        assert ds.num_cached == 3 * n
+        versions = []
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            versions.append(torch.stack([ds[i][0] for i in range(n)]))
+    assert not torch.equal(versions[0], versions[1]) and not torch.equal(versions[1], versions[2])
+
+
+def test_refresh_marks_and_refills(cache_path: str, tmp_path) -> None:
+    version = tmp_path / "version"
+    version.write_text("0")
+    kwargs = {"n": 20, "version_file": str(version)}
+    assert build(cache_path, f"{SPEC}:Drifting", kwargs=kwargs, workers=2).ok
+    version.write_text("1")
+    report = build(cache_path, f"{SPEC}:Drifting", kwargs=kwargs, workers=2, refresh=0.5)
+    assert report.marked_stale == 10 and report.filled == 10 and report.skipped == 10
+    with MmapCachedDataset(cache_path) as ds:
+        labels = [ds[i][1] for i in range(20)]
+    assert sum(label >= 100 for label in labels) == 10  # exactly the refreshed half holds the new version
+
+
+def test_follow_refills_rows_marked_stale_elsewhere_then_exits_on_sigterm(cache_path: str, tmp_path) -> None:
+    version = tmp_path / "version"
+    version.write_text("0")
+    kwargs = f'{{"n": 16, "version_file": "{version}"}}'
+    assert main(["build", cache_path, "--dataset", f"{SPEC}:Drifting", "--kwargs", kwargs, "--workers", "1"]) == 0
+    proc = subprocess.Popen([sys.executable, "-m", "mmapcache", "build", cache_path, "--dataset", f"{SPEC}:Drifting",
+                             "--kwargs", kwargs, "--workers", "1", "--follow"], env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        version.write_text("1")
+        # Another process (a trainer calling ds.refresh) marks two samples stale.
+        subprocess.run([sys.executable, "-c", f"from mmapcache import MmapCachedDataset\n"
+                        f"MmapCachedDataset({cache_path!r}).refresh(indices=[2, 5])"], env=ENV, check=True, timeout=60)
+        with MmapCachedDataset(cache_path, stale="serve") as ds:
+            deadline = time.monotonic() + 60
+            while not (ds[2][1] >= 100 and ds[5][1] >= 100) and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.1)
+            assert ds[2][1] == 2 * 7 % 10 + 100 and ds[5][1] == 5 * 7 % 10 + 100
+            assert ds[3][1] == 3 * 7 % 10  # untouched rows keep the old version
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, stderr
+    assert "filled 2," in stdout.strip().splitlines()[-1] and "(interrupted)" in stdout
