@@ -78,7 +78,15 @@ class Store:
             )
         if not os.path.isdir(path):
             raise CacheFormatError(f"{path} is a file, not a cache directory; pass a directory path or a bare name")
-        self.meta = fmt.read_meta(path)
+        # Which directory we map: attach() checks it is still the one at `path` (a delete_on_close cache can be
+        # removed, and another created in its place, while this process opens it).
+        self._dir_id = _dir_id(path)
+        try:
+            self.meta = fmt.read_meta(path)
+        except CacheFormatError:
+            if self.moved():
+                raise CacheNotFoundError(_removed_message(path)) from None
+            raise
         if writable is None:
             writable = os.access(path, os.W_OK) and all(
                 os.access(os.path.join(path, f["file"]), os.W_OK) for f in self.meta["fields"]
@@ -106,6 +114,11 @@ class Store:
             self.slot_index = self._read_slot_index()
             self.state = SlotState(path, self.rows, writable)
             self.state.check_consistency(path)
+        except CacheFormatError:
+            if self.moved():  # files vanished because the cache was removed meanwhile, not damaged
+                self._finalizer()
+                raise CacheNotFoundError(_removed_message(path)) from None
+            raise
         except OSError as exc:
             if exc.errno in (errno.ENODEV, errno.EINVAL, errno.EOPNOTSUPP):
                 raise MmapCacheError(
@@ -185,27 +198,67 @@ class Store:
 
     # --- users (reference count through the kernel's locks) ----------------------------------------------------
 
+    def moved(self) -> bool:
+        """Whether the directory at ``path`` is no longer the one this store mapped (removed or replaced)."""
+        try:
+            return _dir_id(self.path) != self._dir_id
+        except OSError:
+            return True
+
     def attach(self) -> None:
-        """Registers this process as a user: a shared ``flock`` on ``users`` held until ``detach`` or death."""
+        """Registers this process as a user: a shared ``flock`` on ``users`` held until ``detach`` or death.
+
+        Safe across processes. A remover holds ``users`` exclusively until it has renamed the cache away, so once
+        the shared lock is granted the cache is either still in place (and nobody can remove it until we detach)
+        or gone, which this checks.
+
+        Raises:
+            CacheNotFoundError: the cache was removed (its last ``delete_on_close`` user closed it, a sweep, or
+                ``mmapcache rm``) while this process was opening it.
+        """
         if self._users_pid == os.getpid():
             return
-        fd = os.open(os.path.join(self.path, fmt.USERS), os.O_RDONLY | os.O_CLOEXEC)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        users = os.path.join(self.path, fmt.USERS)
+        try:
+            fd = os.open(users, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CacheNotFoundError(_removed_message(self.path)) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            held = os.fstat(fd)
+            try:
+                current = os.stat(users)
+            except FileNotFoundError:
+                current = None
+            if self.moved() or current is None or (current.st_dev, current.st_ino) != (held.st_dev, held.st_ino):
+                raise CacheNotFoundError(_removed_message(self.path))
+        except BaseException:
+            os.close(fd)
+            raise
         self._users_fd, self._users_pid = fd, os.getpid()
 
-    def detach(self) -> bool:
-        """Unregisters this process; returns True if it was the last user (it then holds ``users`` exclusively
-        until the descriptor closes, so no one can attach to a cache about to be removed)."""
+    def detach(self, *, remove_if_last: bool = False) -> bool:
+        """Unregisters this process; returns True if it was the last user.
+
+        With ``remove_if_last`` the last user also removes the cache, while it still holds ``users`` exclusively,
+        so no process can attach in between (see ``attach``). The caller then holds ``parent_lock(path)``.
+        A process that inherited the store over ``fork`` is not a user of its own and never removes anything.
+        """
         if self._users_pid != os.getpid():
             return False  # inherited over fork: the descriptor's lock belongs to the parent
         fd, self._users_fd, self._users_pid = self._users_fd, -1, -1
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            try:
+                # Not atomic (the kernel drops our shared lock, then tries the exclusive one), which is what makes
+                # concurrent closers agree: exactly one of them finds no other lock left.
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            if remove_if_last and not self.moved() and is_cache(self.path):
+                remove(self.path)
+            return True
+        finally:
             os.close(fd)
-            return False
-        os.close(fd)
-        return True
 
     def close(self) -> None:
         """Unmaps the cache in this process. Idempotent."""
@@ -215,6 +268,19 @@ class Store:
         self.data.clear()
         self.shapes.clear()
         self._finalizer()
+
+
+def _dir_id(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _removed_message(path: str) -> str:
+    return (
+        f"the cache at {path} was removed while this process was opening it (its last delete_on_close user closed "
+        "it, or `mmapcache rm`/`gc` removed it); open it again with a source dataset to re-create it, or rebuild it "
+        "with `mmapcache build`"
+    )
 
 
 def _release(maps: list[mmap.mmap], fds: list[int]) -> None:
@@ -418,14 +484,17 @@ def sweep(parent: str) -> list[str]:
                 if pid.isdigit() and not _alive(int(pid)):
                     shutil.rmtree(full, ignore_errors=True)
                     removed.append(full)
-        if not name.startswith(".") and _orphaned(full):
-            remove(full)
+        if not name.startswith(".") and _remove_if_orphaned(full):
             removed.append(full)
     return removed
 
 
-def _orphaned(path: str) -> bool:
-    """A delete_on_close cache whose users file nobody holds (its last user died without cleaning up)."""
+def _remove_if_orphaned(path: str) -> bool:
+    """Removes a delete_on_close cache whose users file nobody holds (its last user died without cleaning up).
+
+    The exclusive lock is held until the cache is renamed away, so a process attaching meanwhile either keeps it
+    (the lock is refused) or finds it gone (``Store.attach``). Caller holds the parent lock.
+    """
     try:
         meta = fmt.read_meta(path)
     except (CacheFormatError, OSError):
@@ -438,6 +507,7 @@ def _orphaned(path: str) -> bool:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        remove(path)
         return True
     except BlockingIOError:
         return False

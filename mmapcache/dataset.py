@@ -17,11 +17,12 @@ from ._layout import Layout
 from ._reader import RowReader
 from ._sizes import parse_size
 from ._store import Store, parent_lock, resolve_path
-from .errors import CacheMismatchError, LayoutError, SampleNotCachedError
+from .errors import CacheMismatchError, CacheNotFoundError, LayoutError, SampleNotCachedError
 
 __all__ = ["MmapCachedDataset"]
 
 _STALE_MODES = ("recompute", "serve")
+_OPEN_ATTEMPTS = 3
 _VARIANT_CHOICES = ("epoch", "random")
 
 
@@ -98,8 +99,19 @@ class MmapCachedDataset(Dataset):
         options = _CreateOptions(max_bytes, cache_indices, variants, max_shapes)
         if dataset is not None:
             self._source_length = _source_length(dataset)
-        store, created = self._open_or_create(options, overwrite)
-        self._bind(store)
+        for attempt in range(_OPEN_ATTEMPTS):
+            try:
+                store, created = self._open_or_create(options, overwrite)
+                try:
+                    self._bind(store)
+                except CacheNotFoundError:
+                    store.close()
+                    raise
+                break
+            except CacheNotFoundError:
+                # Its last delete_on_close user removed it while we opened it: with a source, make a new one.
+                if self.dataset is None or attempt == _OPEN_ATTEMPTS - 1:
+                    raise
         if created is not None:  # the sample computed to learn the layout is the first one stored
             index, sample = created
             row = self._row(index, self._epoch)
@@ -134,6 +146,7 @@ class MmapCachedDataset(Dataset):
                 store = Store(self.path)
                 problem = self._mismatch(store, options, probe)
                 if problem is None:
+                    store.attach()  # under the lock, for the same reason as below
                     return store, None
                 store.close()
                 if not overwrite:
@@ -147,7 +160,10 @@ class MmapCachedDataset(Dataset):
                 slot_index=slot_index, fingerprint=self.fingerprint, delete_on_close=self.delete_on_close,
                 library_version=_version(),
             )
-        return Store(self.path), (first_index, first_sample)
+            # Attach before releasing the lock: a sweep by another creator would see an unused delete_on_close cache.
+            store = Store(self.path)
+            store.attach()
+        return store, (first_index, first_sample)
 
     def _probe(self, options: _CreateOptions) -> tuple[Layout, int, Any]:
         """Computes one sample to learn (or check) the layout."""
@@ -189,7 +205,9 @@ class MmapCachedDataset(Dataset):
         self._slots = store.slots
         self._variants = store.variants
         store.attach()
-        self._finalizer = weakref.finalize(self, _close_store, store, self.delete_on_close)
+        # The cache's recorded lifetime applies to every user; an opener may also ask for removal of its own.
+        delete = self.delete_on_close or bool(store.meta.get("delete_on_close"))
+        self._finalizer = weakref.finalize(self, _close_store, store, delete)
 
     def _ensure_open(self) -> RowReader:
         """The reader of this process, opening the cache on first use (after unpickling in a worker)."""
@@ -457,12 +475,18 @@ class MmapCachedDataset(Dataset):
 
 
 def _close_store(store: Store, delete_on_close: bool) -> None:
-    last = store.detach()
+    """Detaches this process from the cache and unmaps it; with ``delete_on_close`` the last user removes it.
+
+    Runs from ``close()``, garbage collection, or interpreter exit (``weakref.finalize``); a process killed
+    outright detaches through the kernel (its locks vanish) and a later ``sweep`` removes what it left.
+    """
     store.close()
-    if delete_on_close and last and os.path.isdir(store.path):
+    if delete_on_close and os.path.isdir(os.path.dirname(store.path)):
+        # The parent lock orders this removal with creators and sweeps in the same directory.
         with parent_lock(store.path):
-            if _store.is_cache(store.path):
-                _store.remove(store.path)
+            store.detach(remove_if_last=True)
+    else:
+        store.detach()
 
 
 class _CreateOptions:
