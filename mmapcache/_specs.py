@@ -106,7 +106,7 @@ def _import_file(path: str, spec: str) -> Any:
 def check_map_style(dataset: Any, spec: str) -> Any:
     """Returns ``dataset`` if it is a non-empty map-style dataset, else raises ``SpecError`` saying why."""
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise SpecError(f"{spec} returned a {type(dataset).__name__}, not a map-style dataset (one with __len__ and "
+        raise SpecError(f"{spec} returned {type(dataset).__name__!r} object, not a map-style dataset (one with __len__ and "
                         "__getitem__); iterable datasets cannot be cached: return a map-style dataset")
     try:
         n = len(dataset)

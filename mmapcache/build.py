@@ -353,6 +353,7 @@ class _Driver:
         self.last_line = started
         self.total = 0
         self.following = False
+        self.missing = 0
 
     def _todo_chunks(self) -> tuple[np.ndarray, int, int]:
         """Chunks holding rows that are unfilled or stale (failed ones excluded); how many of this build's rows
@@ -364,6 +365,7 @@ class _Driver:
         chunk_of = self.rows // self.plan.chunk
         chunks = np.unique(chunk_of[todo])
         in_chunks = np.isin(chunk_of, chunks)
+        self.missing = int(todo.sum())
         return chunks, int(in_chunks.sum()), int((~in_chunks).sum())
 
     def run(self, follow: bool) -> None:
@@ -438,8 +440,8 @@ class _Driver:
             self.bar = tqdm(total=self.total, unit="sample", file=self.out, dynamic_ncols=True,
                             desc=os.path.basename(self.plan.path))
         else:
-            print(f"{self.plan.path}: {self.total} rows to fill, {self.report.skipped} already there, "
-                  f"{self.workers} workers", file=self.out, flush=True)
+            print(f"{self.plan.path}: {self.missing} of {len(self.rows)} rows to fill, {self.workers} workers",
+                  file=self.out, flush=True)
 
     def _show(self, n: int) -> None:
         if not self.progress:
