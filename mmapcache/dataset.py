@@ -446,6 +446,16 @@ class MmapCachedDataset(Dataset):
                 stored += reader.state.publish(row, lambda: reader.write(row, values))
         return stored
 
+    def prefill(self, *, rank: int | None = None, world_size: int | None = None, barrier: bool = True) -> int:
+        """Fills the cache before training, cooperatively with the other processes (DDP ranks) of this node: each
+        computes a disjoint share, then they wait for each other. See ``mmapcache.distributed.prefill``.
+
+        Returns how many samples this process stored. Safe across processes.
+        """
+        from .distributed import prefill
+
+        return prefill(self, rank=rank, world_size=world_size, barrier=barrier)
+
     def loader(self, **kwargs: Any) -> torch.utils.data.DataLoader:
         """A DataLoader over the cache that gathers each batch straight into its final tensors.
 

@@ -1,0 +1,183 @@
+"""Cooperative filling of a node-local cache by the processes (ranks) of a distributed job.
+
+Every rank of a node opens the same cache path (on the node's own ``/dev/shm``), so a node holds one copy that
+its ranks share; nothing crosses the network, and each node of a multi-node job builds its own copy. Creation
+races between ranks are settled by the store (a ``flock`` on the parent directory, then an atomic rename): all
+ranks end up on one cache. ``prefill`` then splits the cacheable samples between the ranks of the node, so each
+sample is computed once per node instead of once per rank, and waits for the others before the first epoch.
+
+Which ranks share a node comes from, in order: the ``rank``/``world_size`` arguments; torchrun's
+``LOCAL_RANK``/``LOCAL_WORLD_SIZE``; an initialised ``torch.distributed`` process group (ranks are grouped by
+host name and by the identity of the cache's parent directory, one collective call); SLURM's ``SLURM_LOCALID``/
+``SLURM_NTASKS_PER_NODE``; otherwise this process is alone.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import socket
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .dataset import MmapCachedDataset
+
+__all__ = ["local_rank_and_size", "prefill"]
+
+# How long the cache-based barrier (no process group) waits without seeing any new sample filled before it
+# concludes that a peer died or was never started, and fills what is left itself.
+DEFAULT_PATIENCE = 60.0
+_POLL = 0.05
+
+
+def local_rank_and_size(path: str | None = None) -> tuple[int, int]:
+    """This process's rank among the processes of its node that share the cache, and their number.
+
+    Args:
+        path: the cache path; only used when the ranks are grouped through ``torch.distributed`` (ranks whose
+            host and cache parent directory are the same share a cache).
+
+    Returns ``(0, 1)`` when nothing says this process has peers. Not a collective call, except when a process
+    group is initialised and neither torchrun's nor SLURM's variables are set: then every rank must call it.
+    """
+    env = os.environ
+    if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env:
+        return _checked(_env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE"), "LOCAL_RANK/LOCAL_WORLD_SIZE")
+    if "SLURM_LOCALID" in env and "SLURM_NTASKS_PER_NODE" in env:
+        return _checked(_env_int("SLURM_LOCALID"), _env_int("SLURM_NTASKS_PER_NODE"),
+                        "SLURM_LOCALID/SLURM_NTASKS_PER_NODE")
+    group = _process_group_local(path)
+    if group is not None:
+        return group
+    return 0, 1
+
+
+def prefill(
+    ds: MmapCachedDataset,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    barrier: bool = True,
+    patience: float = DEFAULT_PATIENCE,
+) -> int:
+    """Fills the cache cooperatively: each process of the node computes its own disjoint share of the samples
+    the next epoch reads, then (``barrier=True``) waits until the others are done.
+
+    Call it on every rank after opening the cache and before the first epoch; the ranks of a node then compute
+    each sample once in total. Samples already filled are skipped, so calling it on a warm cache is cheap.
+
+    Args:
+        ds: the cache, opened with its source dataset on every rank (same path on the node).
+        rank: this process's index among the processes sharing the cache; default from the environment (see
+            ``local_rank_and_size``). Give both ``rank`` and ``world_size`` or neither.
+        world_size: the number of processes sharing the cache (the ranks of one node, not of the job).
+        barrier: wait for the others at the end. With an initialised ``torch.distributed`` process group this is
+            ``torch.distributed.barrier()`` (all ranks of the job); without one, the cache is the barrier: wait
+            until every sample is filled, and fill the rest ourselves if no progress is seen for ``patience``
+            seconds (a peer that crashed or was never started).
+        patience: see ``barrier``.
+
+    Returns:
+        How many samples this process computed and stored.
+
+    Safe across processes: every sample is published under the cache's writer lock, so overlapping shares
+    (wrong ``rank``/``world_size``) cost duplicate work, never a wrong sample.
+    """
+    if (rank is None) != (world_size is None):
+        raise TypeError("prefill() takes both rank= and world_size=, or neither (to read them from the environment)")
+    if rank is None:
+        rank, world_size = local_rank_and_size(ds.path)
+    else:
+        rank, world_size = _checked(_as_int(rank, "rank"), _as_int(world_size, "world_size"), "rank/world_size")
+    if isinstance(patience, bool) or not isinstance(patience, (int, float)) or patience < 0:
+        raise ValueError(f"patience must be a number of seconds >= 0, got {patience!r}")
+    indices = _cacheable(ds)
+    stored = ds.fill(indices[rank::world_size])
+    if not barrier:
+        return stored
+    dist = _initialised_dist()
+    if dist is not None:
+        dist.barrier()
+        return stored
+    return stored + _wait_filled(ds, indices, patience)
+
+
+def _cacheable(ds: MmapCachedDataset) -> np.ndarray:
+    """The source indices the cache can hold, in slot order."""
+    store = ds._store
+    if store.slot_index is not None:
+        return np.asarray(store.slot_index, dtype=np.int64)
+    return np.arange(store.slots, dtype=np.int64)
+
+
+def _wait_filled(ds: MmapCachedDataset, indices: np.ndarray, patience: float) -> int:
+    """Waits until the rows the next epoch reads are all filled; fills the rest after ``patience`` idle seconds."""
+    state = ds._ensure_open().state
+    rows = ds._rows(indices, ds.epoch)
+    missing_count = -1
+    last_progress = time.monotonic()
+    while True:
+        missing = ~state.filled_rows(rows) | state.stale_rows(rows)
+        count = int(missing.sum())
+        if count == 0:
+            return 0
+        now = time.monotonic()
+        if count != missing_count:
+            missing_count, last_progress = count, now
+        elif now - last_progress >= patience:
+            return ds.fill(indices[missing])
+        time.sleep(_POLL)
+
+
+def _initialised_dist():  # -> the torch.distributed module, or None
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if dist.is_available() and dist.is_initialized():
+        return dist
+    return None
+
+
+def _process_group_local(path: str | None) -> tuple[int, int] | None:
+    """Local rank and size from an initialised process group: ranks on the same host sharing the cache's parent."""
+    dist = _initialised_dist()
+    if dist is None:
+        return None
+    where = os.path.dirname(path) if path else ""
+    try:
+        st = os.stat(where) if where else None
+    except OSError:
+        st = None
+    key = (socket.gethostname(), where, None if st is None else (st.st_dev, st.st_ino))
+    keys: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    peers = [r for r, k in enumerate(keys) if k == key]
+    return peers.index(dist.get_rank()), len(peers)
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer; unset it or fix the "
+                         "launcher") from None
+
+
+def _as_int(value: object, name: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def _checked(rank: int, size: int, source: str) -> tuple[int, int]:
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"{source} = {rank}/{size}: need 0 <= rank < world_size and world_size >= 1")
+    return rank, size

@@ -1,0 +1,211 @@
+"""Distributed use: ranks of one node share one cache and fill it cooperatively (``prefill``); several nodes each
+build their own. Real torchrun jobs on the gloo backend; "nodes" are torchrun launches with their own
+``MMAPCACHE_DIR`` (each node of a real cluster has its own /dev/shm)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mmapcache import MmapCachedDataset
+from mmapcache.distributed import local_rank_and_size, prefill
+from sources import Counting, ImageLabels, sample_equal
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT = 90.0
+N = 48
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Starts torchrun in its own session (so a hung job can be killed with all its ranks)."""
+    command = [sys.executable, "-m", "torch.distributed.run", *args]
+    return subprocess.Popen(command, env={**os.environ, **env, "PYTHONPATH": TESTS, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=TIMEOUT)
+        raise AssertionError(f"torchrun did not finish in {TIMEOUT} s:\n{out[-4000:]}") from None
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def results(out_dir: str) -> list[dict]:
+    found = []
+    for name in sorted(os.listdir(out_dir)):
+        with open(os.path.join(out_dir, name)) as f:
+            found.append(json.load(f))
+    return found
+
+
+def calls(log: str) -> collections.Counter:
+    with open(log) as f:
+        return collections.Counter(int(line) for line in f)
+
+
+def check_node(ranks: list[dict], log: str, node_dir: str) -> None:
+    """One node's ranks shared one cache, filled it cooperatively, and read every sample right."""
+    assert os.listdir(node_dir) == ["cache"], "the ranks of a node must share one cache directory"
+    assert len({tuple(r["cache_id"]) for r in ranks}) == 1
+    assert sorted(r["local_rank"] for r in ranks) == list(range(len(ranks)))
+    assert all(r["local_world"] == len(ranks) for r in ranks)
+    assert all(r["samples_ok"] and r["cached_after_prefill"] == N for r in ranks)
+    counted = calls(log)
+    # Each sample computed once per node; sample 0 also once per opening rank (the layout probe of the opener).
+    assert sorted(counted) == list(range(N))
+    assert all(counted[i] == 1 for i in range(1, N)), {i: c for i, c in counted.items() if c != 1}
+    assert 1 <= counted[0] <= len(ranks)
+    # Disjoint shares, strided by local rank; sample 0 was stored when the cache was created.
+    for r in ranks:
+        share = list(range(N))[r["local_rank"]::r["local_world"]]
+        assert r["stored"] == len(share) - (0 in share)
+
+
+def test_one_node_two_ranks_share_one_cache(shm_dir: str, tmp_path) -> None:
+    node = os.path.join(shm_dir, "node0")
+    out, log = tmp_path / "out", str(tmp_path / "calls0")
+    out.mkdir()
+    proc = torchrun(["--standalone", "--nproc-per-node=2", os.path.join(TESTS, "dist_script.py"),
+                     "--results", str(out), "--cache-name", "cache", "--calls", log, "--samples", str(N)],
+                    {"MMAPCACHE_DIR": node})
+    finish(proc)
+    ranks = results(str(out))
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
+    assert all(r["all_reduce"] == 1 + 2 for r in ranks)
+    check_node(ranks, log, node)
+
+
+def test_two_nodes_each_build_their_own_cache(shm_dir: str, tmp_path) -> None:
+    port = free_port()
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = []
+    for node_rank in (0, 1):
+        procs.append(torchrun(
+            ["--nnodes=2", f"--node-rank={node_rank}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+             f"--master-port={port}", os.path.join(TESTS, "dist_script.py"), "--results", str(out), "--cache-name", "cache",
+             "--calls", str(tmp_path / f"calls{node_rank}"), "--samples", str(N)],
+            {"MMAPCACHE_DIR": os.path.join(shm_dir, f"node{node_rank}")},
+        ))
+    try:
+        for proc in procs:
+            finish(proc)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate(timeout=TIMEOUT)
+    ranks = results(str(out))
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and all(r["world"] == 4 for r in ranks)
+    assert all(r["all_reduce"] == 1 + 2 + 3 + 4 for r in ranks)  # one job of 4 ranks, across both "nodes"
+    assert sorted(os.listdir(shm_dir)) == ["node0", "node1"]
+    for node_rank in (0, 1):
+        on_node = [r for r in ranks if r["node"] == node_rank]
+        assert len(on_node) == 2
+        assert all(r["path"] == os.path.join(shm_dir, f"node{node_rank}", "cache") for r in on_node)
+        check_node(on_node, str(tmp_path / f"calls{node_rank}"), os.path.join(shm_dir, f"node{node_rank}"))
+
+
+# --- prefill without a process group (explicit ranks, or the environment) ------------------------------------------
+
+
+def _prefill_rank(path: str, log: str, rank: int, world: int, barrier: multiprocessing.synchronize.Barrier) -> None:
+    ds = MmapCachedDataset(path, Counting(ImageLabels(N, delay=0.002), log))
+    barrier.wait(TIMEOUT)
+    prefill(ds, rank=rank, world_size=world)
+    # The cache-based barrier returned: every sample must be filled now, whoever filled it.
+    if ds.num_cached != N:
+        raise AssertionError(f"rank {rank}: prefill returned with {ds.num_cached} of {N} samples filled")
+    ds.close()
+
+
+def test_prefill_without_process_group_waits_on_the_cache(cache_path: str, tmp_path) -> None:
+    log = str(tmp_path / "calls")
+    MmapCachedDataset(cache_path, ImageLabels(N)).close()  # created (sample 0 stored) before the ranks start
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_prefill_rank, args=(cache_path, log, r, 2, barrier)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(TIMEOUT)
+    assert codes == [0, 0]
+    counted = calls(log)
+    assert all(counted[i] == 1 for i in range(1, N)) and counted[0] == 2  # each rank probed sample 0 once
+
+
+def test_prefill_fills_the_share_of_a_missing_peer_after_patience(cache_path: str, tmp_path) -> None:
+    source = Counting(ImageLabels(N), str(tmp_path / "calls"))
+    with MmapCachedDataset(cache_path, source) as ds:
+        stored = prefill(ds, rank=0, world_size=3, patience=0.2)  # ranks 1 and 2 never come
+        assert ds.num_cached == N and stored == N - 1
+        assert sorted(calls(source.log)) == list(range(N)) and max(calls(source.log).values()) == 1
+
+
+def test_prefill_without_barrier_fills_only_its_share(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, ImageLabels(N)) as ds:
+        assert prefill(ds, rank=1, world_size=4, barrier=False) == N // 4
+        filled = [i for i in range(N) if ds.is_cached(i)]
+        assert filled == sorted({0, *range(1, N, 4)})
+        assert ds.prefill(rank=1, world_size=4, barrier=False) == 0  # already filled: nothing computed again
+
+
+def test_prefill_respects_cache_indices(cache_path: str) -> None:
+    chosen = np.array([5, 40, 17, 3, 22])
+    with MmapCachedDataset(cache_path, ImageLabels(N), cache_indices=chosen) as ds:
+        prefill(ds, rank=0, world_size=1)
+        assert [i for i in range(N) if ds.is_cached(i)] == sorted(chosen.tolist())
+
+
+def test_local_rank_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    assert local_rank_and_size() == (0, 1)
+    monkeypatch.setenv("SLURM_LOCALID", "2")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    assert local_rank_and_size() == (2, 4)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert local_rank_and_size() == (1, 8)  # torchrun's variables win
+    monkeypatch.setenv("LOCAL_RANK", "8")
+    with pytest.raises(ValueError, match="LOCAL_RANK/LOCAL_WORLD_SIZE = 8/8"):
+        local_rank_and_size()
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    with pytest.raises(ValueError, match="LOCAL_RANK='one' is not an integer"):
+        local_rank_and_size()
+
+
+def test_prefill_rejects_bad_ranks(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, ImageLabels(4)) as ds:
+        with pytest.raises(TypeError, match="both rank= and world_size="):
+            prefill(ds, rank=0)
+        with pytest.raises(ValueError, match="rank/world_size = 2/2"):
+            prefill(ds, rank=2, world_size=2)
+        with pytest.raises(TypeError, match="rank must be an int"):
+            prefill(ds, rank=0.5, world_size=2)
+        with pytest.raises(ValueError, match="patience"):
+            prefill(ds, rank=0, world_size=1, patience=-1)

@@ -1,0 +1,244 @@
+"""Cache lifetime with real processes: persistent by default; ``delete_on_close`` removes the cache when its last
+user closes it or exits, whatever the order, with users killed by SIGKILL, and with DataLoader workers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import pytest
+from torch.utils.data import DataLoader
+
+from mmapcache import CacheNotFoundError, MmapCachedDataset
+from mmapcache import _store
+from sources import ImageLabels, sample_equal
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT = 60.0
+
+# A user of a cache: opens it, reads every sample, says "ready", then obeys one line on stdin:
+# "close" (close() and say "closed", then wait for EOF), "exit" (leave the interpreter without close()).
+USER = r"""
+import sys
+from mmapcache import MmapCachedDataset
+from sources import ImageLabels, sample_equal
+path, delete = sys.argv[1], sys.argv[2] == "1"
+ds = MmapCachedDataset(path, ImageLabels(8), delete_on_close=delete)
+ok = all(sample_equal(ds[i], ImageLabels(8)[i]) for i in range(len(ds)))
+print("ready" if ok else "wrong samples", flush=True)
+command = sys.stdin.readline().strip()
+if command == "close":
+    ds.close()
+    print("closed", flush=True)
+    sys.stdin.readline()
+"""
+
+
+class User:
+    """A separate Python process using the cache (see ``USER``)."""
+
+    def __init__(self, path: str, delete: bool = True) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", USER, path, "1" if delete else "0"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": TESTS},
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def expect(self, word: str) -> None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], TIMEOUT)
+        line = self.proc.stdout.readline().strip() if ready else "<timeout>"
+        if line != word:
+            self.proc.kill()
+            raise AssertionError(f"user {self.pid}: expected {word!r}, got {line!r}; stderr: {self.proc.stderr.read()}")
+
+    def close(self) -> None:
+        """Calls close() in the user, which then stays alive (so only close() can have detached it)."""
+        self.proc.stdin.write("close\n")
+        self.proc.stdin.flush()
+        self.expect("closed")
+
+    def exit(self) -> None:
+        """Lets the user's interpreter exit normally without calling close()."""
+        self.proc.stdin.write("exit\n")
+        self.proc.stdin.flush()
+        assert self.proc.wait(TIMEOUT) == 0, self.proc.stderr.read()
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(TIMEOUT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(TIMEOUT)
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            stream.close()
+
+
+class Users(list):
+    """The users a test started; ``start`` launches them together (importing torch takes seconds each)."""
+
+    def start(self, *paths: str, delete: bool = True) -> list[User]:
+        new = [User(path, delete) for path in paths]
+        self.extend(new)
+        for user in new:
+            user.expect("ready")
+        return new
+
+
+@pytest.fixture
+def users() -> Iterator[Users]:
+    started = Users()
+    yield started
+    for user in started:
+        user.stop()
+
+
+def test_a_cache_persists_by_default(cache_path: str) -> None:
+    MmapCachedDataset(cache_path, ImageLabels(8)).close()
+    assert _store.is_cache(cache_path)
+    with MmapCachedDataset(cache_path) as ds:
+        assert ds.num_cached == 1
+
+
+def test_single_user_close_removes(cache_path: str) -> None:
+    ds = MmapCachedDataset(cache_path, ImageLabels(8), delete_on_close=True)
+    assert _store.users_of(cache_path) == [os.getpid()]
+    ds.close()
+    assert not os.path.exists(cache_path)
+    assert os.listdir(os.path.dirname(cache_path)) == []  # no temporary or .deleting leftovers
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
+def test_last_of_several_users_removes_in_any_order(cache_path: str, users: Users, order: tuple[int, ...]) -> None:
+    users.start(*[cache_path] * 3)
+    assert _store.users_of(cache_path) == sorted(u.pid for u in users)
+    remaining = {u.pid for u in users}
+    for step, k in enumerate(order):
+        users[k].close()
+        remaining.discard(users[k].pid)
+        if step < len(order) - 1:
+            assert _store.is_cache(cache_path), f"removed while users {sorted(remaining)} still use it"
+            assert _store.users_of(cache_path) == sorted(remaining)
+    assert not os.path.exists(cache_path)
+
+
+def test_normal_exit_without_close_detaches(cache_path: str, users: Users) -> None:
+    users.start(cache_path, cache_path)
+    users[0].exit()
+    assert _store.is_cache(cache_path) and _store.users_of(cache_path) == [users[1].pid]
+    users[1].exit()
+    assert not os.path.exists(cache_path)
+
+
+def test_killed_users_never_skew_the_count(cache_path: str, users: Users) -> None:
+    users.start(*[cache_path] * 3)
+    for user in users[:2]:
+        user.kill()
+        assert _store.is_cache(cache_path)
+    assert _store.users_of(cache_path) == [users[2].pid]
+    users[2].close()
+    assert not os.path.exists(cache_path)
+
+
+def test_killing_the_last_user_leaves_an_orphan_the_next_sweep_removes(shm_dir: str, users: Users) -> None:
+    orphan, kept, other = (os.path.join(shm_dir, name) for name in ("orphan", "kept", "other"))
+    users.start(orphan)
+    users.start(kept, delete=False)
+    users[0].kill()
+    users[1].kill()
+    assert _store.is_cache(orphan) and _store.users_of(orphan) == []
+    with MmapCachedDataset(orphan):  # opening it is allowed: this process becomes its user, and no sweep runs
+        pass
+    assert not os.path.exists(orphan)  # ... and, being delete_on_close, the last user's close removed it
+    users.start(orphan)
+    users[2].kill()
+    MmapCachedDataset(other, ImageLabels(4)).close()  # creating a cache in the same parent sweeps it
+    assert not os.path.exists(orphan)
+    assert _store.is_cache(kept) and _store.is_cache(other)  # persistent caches are never swept
+    assert sorted(os.listdir(shm_dir)) == ["kept", "other"]
+
+
+def test_sweep_leaves_a_used_delete_on_close_cache_alone(shm_dir: str, users: Users) -> None:
+    used = os.path.join(shm_dir, "used")
+    users.start(used)
+    with _store.parent_lock(used):
+        assert _store.sweep(shm_dir) == []
+    assert _store.is_cache(used)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_do_not_count_or_remove(cache_path: str, context: str) -> None:
+    source = ImageLabels(16)
+    ds = MmapCachedDataset(cache_path, source, delete_on_close=True)
+    for _ in range(2):  # two epochs: workers start, attach (spawn) or inherit (fork), and exit twice
+        loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=context, timeout=TIMEOUT)
+        seen = [sample for images, labels in loader for sample in zip(images, labels.tolist())]
+        assert len(seen) == 16 and all(sample_equal(s, source[i]) for i, s in enumerate(seen))
+        del loader
+        assert _store.is_cache(cache_path), "a worker's exit removed the cache the main process still holds"
+        assert _store.users_of(cache_path) == [os.getpid()]
+    assert ds.num_cached == 16
+    ds.close()
+    assert not os.path.exists(cache_path)
+
+
+def test_opening_a_cache_removed_meanwhile_is_a_clear_error(cache_path: str) -> None:
+    ds = MmapCachedDataset(cache_path, ImageLabels(8), delete_on_close=True)
+    late = _store.Store(cache_path)  # mapped, not yet attached: the last user closes in between
+    ds.close()
+    with pytest.raises(CacheNotFoundError, match="was removed while this process was opening it"):
+        late.attach()
+    late.close()
+    MmapCachedDataset(cache_path, ImageLabels(8), delete_on_close=True).close()  # re-created, then removed
+    with pytest.raises(CacheNotFoundError, match="no cache at"):
+        MmapCachedDataset(cache_path)
+
+
+def _churn(path: str, barrier: multiprocessing.synchronize.Barrier, rounds: int, deadline: float) -> None:
+    """Opens and closes a delete_on_close cache in a loop; while attached, the mapped cache must be the one
+    at ``path`` (no one may remove it under a user) and hold the source's samples."""
+    source = ImageLabels(8)
+    barrier.wait(TIMEOUT)
+    for k in range(rounds):
+        if time.monotonic() > deadline:
+            break
+        with MmapCachedDataset(path, source, delete_on_close=True) as ds:
+            held = os.fstat(ds._store._users_fd)  # the users file this process holds its shared lock on
+            try:
+                current = os.stat(os.path.join(path, "users"))
+            except FileNotFoundError:
+                current = None
+            if current is None or (current.st_dev, current.st_ino) != (held.st_dev, held.st_ino):
+                raise AssertionError(f"round {k}: the cache was removed while this process was attached")
+            i = k % len(ds)
+            if not sample_equal(ds[i], source[i]):
+                raise AssertionError(f"round {k}: sample {i} differs from the source")
+
+
+def test_openers_racing_the_last_closer(cache_path: str) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(3)
+    deadline = time.monotonic() + 25  # bounds the loop on a loaded machine; the start barrier makes them overlap
+    procs = [ctx.Process(target=_churn, args=(cache_path, barrier, 40, deadline)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(TIMEOUT)
+    assert codes == [0, 0, 0]
+    assert not os.path.exists(cache_path)
+    assert os.listdir(os.path.dirname(cache_path)) == []
