@@ -151,7 +151,7 @@ def _leaf(obj: Any, path: str) -> Leaf:
         if not -(2**63) <= obj < 2**63:
             raise LayoutError(f"field {path!r}: int {obj} does not fit in int64; store it as a float or split it")
         return Leaf(Field(path, INT, "<i8", ()), np.asarray(obj, dtype=np.int64))
-    if isinstance(obj, float):
+    if isinstance(obj, float) and not isinstance(obj, np.generic):  # numpy.float64 subclasses float: keep its type
         return Leaf(Field(path, FLOAT, "<f8", ()), np.asarray(obj, dtype=np.float64))
     if isinstance(obj, np.ndarray):
         _check_numpy_dtype(obj.dtype, path, "numpy array")
