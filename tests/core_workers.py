@@ -1,0 +1,213 @@
+"""Sources and process entry points for the core tests: module-level so spawned processes can import them.
+
+Every entry point reports through a queue (or its exit code) and bounds its own waiting, so a test that joins it
+with a timeout can never hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from mmapcache import MmapCachedDataset
+from sources import ImageLabels, sample_equal
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+# Every torch dtype the cache must store, numpy-less ones (bfloat16, complex32, float8) included.
+TORCH_DTYPES = [
+    torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32,
+    torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex32, torch.complex64,
+    torch.complex128,
+] + [getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                       "float8_e8m0fnu") if hasattr(torch, name)]
+
+# Every numeric numpy dtype and bool. Arrays are made from raw bytes, so even longdouble's padding bytes are
+# deterministic and a byte comparison is exact.
+NUMPY_DTYPES = [np.dtype(c) for c in "?bBhHiIlLqQefdgFDG"]
+
+
+def random_bytes(index: int, salt: int, nbytes: int) -> torch.Tensor:
+    """Deterministic bytes depending on the index and a salt, so that every field of every sample differs."""
+    g = torch.Generator().manual_seed(index * 1000 + salt)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def tensor_of(index: int, dtype: torch.dtype, salt: int, shape: tuple[int, ...] = (2, 3)) -> torch.Tensor:
+    """A tensor of any dtype from random bytes (every bit pattern, NaNs included), bool kept to 0/1."""
+    itemsize = dtype.itemsize  # not torch.empty(): creating a complex32 tensor warns
+    raw = random_bytes(index, salt, itemsize * int(np.prod(shape)))
+    if dtype == torch.bool:
+        return (raw % 2).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def ndarray_of(index: int, dtype: np.dtype, salt: int, shape: tuple[int, ...] = (3, 2)) -> np.ndarray:
+    raw = random_bytes(index, salt, dtype.itemsize * int(np.prod(shape))).numpy()
+    if dtype == np.bool_:
+        return (raw % 2).astype(np.bool_).reshape(shape)
+    return raw.view(dtype).reshape(shape).copy()
+
+
+class AllLeaves(Dataset):
+    """Samples holding every supported leaf type, nested several levels deep in every container type."""
+
+    def __init__(self, n: int = 6) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        tensors = {str(dt).removeprefix("torch."): tensor_of(index, dt, salt) for salt, dt in enumerate(TORCH_DTYPES)}
+        arrays = [ndarray_of(index, dt, 100 + salt) for salt, dt in enumerate(NUMPY_DTYPES)]
+        scalars = (
+            index * 7 - 3, index / 3.0, index % 2 == 0, float("nan") if index == 2 else -0.0,
+            np.float32(index / 7), np.int8(-index), np.uint64(2**64 - 1 - index), np.bool_(index % 3 == 0),
+            np.complex64(index - 1j), np.float16(index), np.int64(-(2**63) + index),
+        )
+        deep = {"a": [(Point(x=tensor_of(index, torch.float32, 300, (4,)), y=index), {"b": [np.int16(index)]})]}
+        return {
+            "tensors": tensors,
+            "arrays": arrays,
+            "scalars": scalars,
+            "deep": deep,
+            "empty_tensor": torch.zeros((0, 3), dtype=torch.float32),
+            "scalar_tensor": torch.tensor(index, dtype=torch.int64),
+            "point": Point(x=np.float64(index), y=[1, 2.5, True]),
+        }
+
+
+class OddViews(Dataset):
+    """Tensors that are not plain contiguous storage: transposed, sliced, conj-bit, neg-bit, requiring grad,
+    and a numpy array that is a non-contiguous view. The cache must store their values."""
+
+    def __init__(self, n: int = 5) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        base = tensor_of(index, torch.float32, 1, (4, 6)).nan_to_num()
+        complex_base = tensor_of(index, torch.complex64, 2, (3,)).nan_to_num()
+        return {
+            "transposed": base.t(),
+            "sliced": base[1:, ::2],
+            "expanded": base[0].expand(3, 6),
+            "conj": complex_base.conj(),
+            "neg": complex_base.conj().imag,  # a neg-bit view
+            "grad": base.clone().requires_grad_(),
+            "strided_array": base.numpy()[::2, ::-1],
+        }
+
+
+def exact(a: Any, b: Any) -> bool:
+    """``sources.sample_equal``, extended to 0-dim tensors wider than a byte (which ``sample_equal`` cannot view
+    as bytes): same structure, types, dtypes and bytes."""
+    if isinstance(a, torch.Tensor) and type(a) is type(b) and a.dim() == 0:
+        return a.dtype == b.dtype and b.dim() == 0 and sample_equal(a.reshape(1), b.reshape(1))
+    if isinstance(a, dict) and type(a) is type(b):
+        return list(a) == list(b) and all(exact(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and type(a) is type(b):
+        return len(a) == len(b) and all(exact(x, y) for x, y in zip(a, b))
+    return sample_equal(a, b)
+
+
+def resolved(sample: Any) -> Any:
+    """What the cache must return for a sample of ``OddViews``: the same values as plain tensors."""
+    out = {}
+    for key, value in sample.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().resolve_conj().resolve_neg().contiguous()
+        out[key] = value if not isinstance(value, np.ndarray) else np.ascontiguousarray(value)
+    return out
+
+
+class Big(Dataset):
+    """Samples of ``mib`` MiB each (a write takes long enough for a kill to land inside it)."""
+
+    def __init__(self, n: int, mib: int = 8) -> None:
+        self.n, self.mib = n, mib
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        g = torch.Generator().manual_seed(index)
+        return torch.randint(0, 256, (self.mib, 1024, 1024), dtype=torch.uint8, generator=g), index
+
+
+class ChangesLayout(Dataset):
+    """Like ``ImageLabels``, but sample ``bad`` has a float32 image (a different layout)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.inner, self.bad = ImageLabels(n), bad
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> Any:
+        image, label = self.inner[index]
+        return (image.float() if index == self.bad else image), label
+
+
+# --- process entry points ------------------------------------------------------------------------------------
+
+
+def read_all_by_path(path: str, n: int, queue: Any) -> None:
+    """An unrelated process: opens the cache by path alone and checks every sample against the source."""
+    try:
+        with MmapCachedDataset(path) as ds:
+            source = ImageLabels(n)
+            bad = [i for i in range(n) if not sample_equal(ds[i], source[i])]
+            types = [type(ds[0]).__name__, type(ds[0][0]).__name__, str(ds[0][0].dtype), type(ds[0][1]).__name__]
+            queue.put(("ok", bad, types, len(ds), ds.num_cached))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test, which fails with it
+        queue.put(("error", repr(exc)))
+
+
+def concurrent_filler(path: str, n: int, seed: int, barrier: Any, queue: Any, rounds: int) -> None:
+    """Fills and reads overlapping indices in its own random order; reports any sample that differs."""
+    try:
+        source = ImageLabels(n, shape=(64, 1024))
+        ds = MmapCachedDataset(path, ImageLabels(n, shape=(64, 1024)))
+        barrier.wait(timeout=60)
+        rng = random.Random(seed)
+        bad = []
+        for _ in range(rounds):
+            order = list(range(n))
+            rng.shuffle(order)
+            for i in order:
+                if not sample_equal(ds[i], source[i]):
+                    bad.append(i)
+            batch = rng.sample(range(n), 8)
+            for i, got in zip(batch, ds.__getitems__(batch)):
+                if not sample_equal(got, source[i]):
+                    bad.append(i)
+        ds.close()
+        queue.put(("ok", seed, bad))
+    except BaseException as exc:  # noqa: BLE001
+        queue.put(("error", seed, repr(exc)))
+
+
+def slow_filler(path: str, n: int, delay: float) -> None:
+    """Fills a cache one sample at a time from a slow source, until killed."""
+    with MmapCachedDataset(path, ImageLabels(n, shape=(16, 16), delay=delay)) as ds:
+        for i in range(n):
+            ds[i]
+
+
+def big_filler(path: str, n: int, mib: int) -> None:
+    """Fills a cache of large samples, in random order, until killed."""
+    order = list(range(n))
+    random.Random(os.getpid()).shuffle(order)
+    with MmapCachedDataset(path, Big(n, mib)) as ds:
+        for i in order:
+            ds[i]
