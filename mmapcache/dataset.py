@@ -183,6 +183,20 @@ class MmapCachedDataset(Dataset):
         if options.variants is not None and options.variants != meta["variants"]:
             return f"variants={meta['variants']} in the cache, variants={options.variants} given"
         layout, first, sample = probe
+        if options.max_bytes is not None or options.cache_indices is not None:
+            # Compare what the options decide (which indices are cacheable), not the numbers: any max_bytes at
+            # least as large as the cache matches a cache that holds every sample.
+            slots, index, _ = options.plan(layout, self._source_length, meta["variants"])
+            wanted_index = np.arange(slots) if index is None else index
+            have_index = np.arange(store.slots) if store.slot_index is None else store.slot_index
+            if not np.array_equal(wanted_index, have_index):
+                given = ", ".join(f"{name}={value}" for name, value in (
+                    ("max_bytes", options.max_bytes),
+                    ("cache_indices", None if options.cache_indices is None else f"<{len(options.cache_indices)} indices>"),
+                ) if value is not None)
+                return (f"{store.slots} cacheable samples ({'a chosen subset' if store.slot_index is not None else 'the first ones'}) "
+                        f"in the cache, {slots} ({'a chosen subset' if index is not None else 'the first ones'}) "
+                        f"with {given}; open it without max_bytes/cache_indices to use the recorded ones")
         wanted = {f.name: f.shape for f in layout.fields if f.variable}
         have = {f.name: f.shape for f in store.layout.fields if f.variable}
         if options.max_shapes is not None and wanted != have:
@@ -426,22 +440,28 @@ class MmapCachedDataset(Dataset):
             if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
                 raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
             filled = np.flatnonzero(reader.state.filled_mask())
-            rng = np.random.default_rng([self.seed, self._epoch, os.getpid()])
+            # Seeded by (seed, epoch) only, as documented: every DDP rank calling it marks the same rows.
+            rng = np.random.default_rng([self.seed, self._epoch])
             rows = rng.choice(filled, size=int(round(fraction * len(filled))), replace=False)
         return reader.state.mark_stale(rows)
 
     def fill(self, indices: Sequence[int] | None = None) -> int:
-        """Computes and stores every not-yet-filled sample among ``indices`` (default: all cacheable ones), in
-        this process, for the current epoch's variant. Returns how many this call stored."""
+        """Computes and stores every not-yet-filled or stale sample among ``indices`` (default: all cacheable
+        ones), in this process, for the current epoch's variant. Returns how many this call stored.
+
+        Stale rows are rewritten too: with ``stale="serve"`` this is what replaces the previous version. Safe
+        across processes (each row is published under the writer lock; readers never see a half-written row).
+        """
         reader = self._ensure_open()
         idx = self._indices(range(self._length) if indices is None else indices)
         rows = self._rows(idx, self._epoch)
         keep = rows >= 0
         idx, rows = idx[keep], rows[keep]
-        todo = ~reader.state.filled_rows(rows) if len(rows) else np.zeros(0, bool)
+        state = reader.state
+        todo = ~state.filled_rows(rows) | state.stale_rows(rows) if len(rows) else np.zeros(0, bool)
         stored = 0
         for i, row in zip(idx[todo].tolist(), rows[todo].tolist()):
-            if not reader.state.is_filled(row):
+            if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1:  # re-check: others fill too
                 values = self._checked(i, self._fetch(i))
                 stored += reader.state.publish(row, lambda: reader.write(row, values))
         return stored
@@ -528,16 +548,21 @@ class _CreateOptions:
             max_shapes = {name: tuple(int(d) for d in shape) for name, shape in max_shapes.items()}
         self.max_shapes = max_shapes
 
-    def plan(self, layout: Layout, length: int) -> tuple[int, np.ndarray | None, int]:
-        """Slots, slot index and variants of a new cache."""
-        variants = self.variants or 1
+    def plan(self, layout: Layout, length: int, default_variants: int = 1) -> tuple[int, np.ndarray | None, int]:
+        """Slots, slot index and variants of a new cache (or of the cache these options describe)."""
+        variants = self.variants or default_variants
         index = self.cache_indices
         if index is not None and (index.min() < 0 or index.max() >= length):
             raise IndexError(f"cache_indices has values outside [0, {length}), the dataset's index range")
         slots = length if index is None else len(index)
         if self.max_bytes is not None:
-            per_sample = max(1, layout.row_bytes * variants)
+            # max_bytes bounds the whole cache as _store.plan_bytes counts it (data, shapes, counters, bitmaps,
+            # slot index), so a size suggested by InsufficientSpaceError really fits.
+            has_index = index is not None
+            per_sample = max(1, _store.plan_bytes(layout, 8 * variants, 8 if has_index else 0) // 8)  # bitmap bits shared
             fit = self.max_bytes // per_sample
+            while fit and _store.plan_bytes(layout, fit * variants, fit if has_index else 0) > self.max_bytes:
+                fit -= 1
             if fit == 0:
                 raise ValueError(f"max_bytes={self.max_bytes} is smaller than one sample ({per_sample} bytes with "
                                  f"{variants} variant(s)); raise it")
