@@ -1,0 +1,240 @@
+"""Real processes on the real /dev/shm: an unrelated reader, DataLoader workers under every start method,
+concurrent fillers, and writers SIGKILLed mid-fill and mid-write."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue as queue_module
+import random
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from core_workers import Big, big_filler, concurrent_filler, read_all_by_path, slow_filler
+from mmapcache import MmapCachedDataset, SampleNotCachedError
+from sources import ImageLabels, sample_equal
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+
+
+def _get(q: Any, timeout: float = 120) -> Any:
+    try:
+        return q.get(timeout=timeout)
+    except queue_module.Empty:
+        pytest.fail(f"a child process reported nothing within {timeout} s")
+
+
+def _stop(proc: Any) -> None:
+    """Joins a child with a timeout, killing it if it is still running (a test must never hang)."""
+    proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=10)
+        pytest.fail(f"child process {proc.pid} did not finish in time")
+
+
+def _seq(path: str) -> np.ndarray:
+    """The seqlock counters, read from the raw file (a copy)."""
+    return np.fromfile(os.path.join(path, "seq.u32"), dtype="<u4")
+
+
+def _check_consistent(path: str, source: Any) -> int:
+    """Every sample the cache says is filled equals the source; unfilled ones raise. Returns the filled count."""
+    filled = 0
+    with MmapCachedDataset(path) as ds:
+        for i in range(len(source)):
+            if ds.is_cached(i):
+                assert sample_equal(ds[i], source[i]), f"filled sample {i} differs from the source"
+                filled += 1
+            else:
+                with pytest.raises(SampleNotCachedError, match=f"sample {i} is not in the cache"):
+                    ds[i]
+        assert ds.num_cached >= filled  # num_cached counts bits; a bit with an odd counter is not "cached"
+    return filled
+
+
+def test_spawned_unrelated_process_reads_by_path(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, ImageLabels(16)) as ds:
+        ds.fill()
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=read_all_by_path, args=(cache_path, 16, q))
+    proc.start()
+    report = _get(q)
+    _stop(proc)
+    assert report[0] == "ok", report
+    _, bad, types, length, cached = report
+    assert bad == [] and length == 16 and cached == 16
+    assert types == ["tuple", "Tensor", "torch.uint8", "int"]
+    assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_dataloader_workers_fill_then_read_identical_batches(cache_path: str, method: str) -> None:
+    n = 40
+    source = ImageLabels(n)
+    ds = MmapCachedDataset(cache_path, source)
+    assert ds.num_cached == 1  # only the layout probe: the workers fill the rest
+    expected = list(DataLoader(source, batch_size=4))
+    expected_single = list(DataLoader(source, batch_size=None))
+    # batch_size=4 makes the workers fetch through ds.__getitems__; batch_size=None through ds.__getitem__.
+    batched = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=method, persistent_workers=True)
+    for epoch in range(2):  # cold (workers compute and store every miss), then warm
+        got = list(batched)
+        assert len(got) == len(expected)
+        for k, (a, b) in enumerate(zip(got, expected)):
+            assert sample_equal(a, b), f"epoch {epoch}, batch {k} differs from the source's"
+        if epoch == 0:
+            assert ds.num_cached == n, "workers did not store what they computed"
+    if method == "fork":  # the per-sample path and ds.loader() once; spawning more workers only costs time
+        single = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=method))
+        assert len(single) == n and all(sample_equal(a, b) for a, b in zip(single, expected_single))
+        fast = list(ds.loader(batch_size=4, num_workers=2, multiprocessing_context=method))
+        assert len(fast) == len(expected) and all(sample_equal(a, b) for a, b in zip(fast, expected))
+    for i in range(n):
+        assert sample_equal(ds[i], source[i])
+    ds.close()
+
+
+def test_dataloader_worker_errors_reach_the_main_process_with_their_type(cache_path: str) -> None:
+    MmapCachedDataset(cache_path, ImageLabels(8)).close()  # only sample 0 is filled
+    ro = MmapCachedDataset(cache_path)
+    loader = DataLoader(ro, batch_size=2, num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(SampleNotCachedError, match="sample 1 is not in the cache"):
+        list(loader)  # batch [0, 1]: 0 is filled, 1 is not
+    ro.close()
+
+
+def test_concurrent_fillers_store_every_sample_intact(cache_path: str) -> None:
+    n, workers = 48, 4
+    source = ImageLabels(n, shape=(64, 1024))  # 64 KiB rows: a torn copy would be visible
+    MmapCachedDataset(cache_path, source).close()  # created up front, so the fillers race on the rows only
+    ctx = multiprocessing.get_context("fork")  # fork starts in milliseconds, so the fillers really overlap
+    barrier, q = ctx.Barrier(workers), ctx.Queue()
+    procs = [ctx.Process(target=concurrent_filler, args=(cache_path, n, seed, barrier, q, 2)) for seed in range(workers)]
+    for proc in procs:
+        proc.start()
+    reports = [_get(q) for _ in procs]
+    for proc in procs:
+        _stop(proc)
+    assert all(r[0] == "ok" for r in reports), reports
+    assert all(r[2] == [] for r in reports), f"torn or wrong samples seen by fillers: {reports}"
+    bits = np.unpackbits(np.fromfile(os.path.join(cache_path, "filled.bits"), np.uint8), bitorder="little")
+    assert bits[:n].all() and not bits[n:].any(), "a filled bit was lost"
+    seq = _seq(cache_path)
+    assert (seq % 2 == 0).all() and (seq >= 2).all()
+    assert _check_consistent(cache_path, source) == n
+
+
+def test_writer_killed_between_samples_leaves_a_consistent_cache(cache_path: str) -> None:
+    n = 200  # at 0.1 s a sample the filler cannot finish before it is killed
+    source = ImageLabels(n, shape=(16, 16))
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=slow_filler, args=(cache_path, n, 0.1))
+    proc.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.is_alive():
+        if os.path.exists(os.path.join(cache_path, "meta.json")):
+            with MmapCachedDataset(cache_path) as ds:
+                if ds.num_cached >= 3:
+                    break
+        time.sleep(0.05)
+    assert proc.is_alive(), f"the filler exited early (exit code {proc.exitcode})"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout=30)
+    assert proc.exitcode == -signal.SIGKILL
+    filled = _check_consistent(cache_path, source)
+    assert 3 <= filled < n
+    with MmapCachedDataset(cache_path, source) as ds:
+        assert ds.fill() == n - filled
+        assert ds.num_cached == n
+    assert _check_consistent(cache_path, source) == n
+
+
+def test_writer_killed_mid_write_leaves_the_row_unfilled_and_fixable(cache_path: str) -> None:
+    """Waits until a writer is inside a row's write (its counter is odd), kills it, and checks the row is treated
+    as unfilled, is refused to readers without a source, and is repaired by the next fill."""
+    n, mib = 6, 8
+    source = Big(n, mib)
+    ctx = multiprocessing.get_context("spawn")
+    landed = None
+    for _attempt in range(5):
+        proc = ctx.Process(target=big_filler, args=(cache_path, n, mib))
+        proc.start()
+        deadline = time.monotonic() + 60
+        seq = None
+        odd = np.zeros(0, dtype=np.int64)
+        while time.monotonic() < deadline and proc.is_alive():
+            if seq is None and os.path.exists(os.path.join(cache_path, "meta.json")):
+                seq = np.memmap(os.path.join(cache_path, "seq.u32"), dtype="<u4", mode="r")
+            if seq is not None:
+                odd = np.flatnonzero(seq & 1)
+                if len(odd):
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+        del seq
+        after = _seq(cache_path)
+        if len(odd) and after[odd[0]] % 2 == 1:
+            landed = int(odd[0])
+            break
+    assert landed is not None, "no kill landed inside a write in 5 attempts"
+    row_bits = np.unpackbits(np.fromfile(os.path.join(cache_path, "filled.bits"), np.uint8), bitorder="little")
+    assert _check_consistent(cache_path, source) < n
+    with MmapCachedDataset(cache_path) as ds:
+        assert not ds.is_cached(landed)
+        with pytest.raises(SampleNotCachedError):
+            ds[landed]
+    with MmapCachedDataset(cache_path, source) as ds:
+        assert sample_equal(ds[landed], source[landed])
+        assert ds.is_cached(landed)
+        ds.fill()
+    seq = _seq(cache_path)
+    assert (seq % 2 == 0).all() and (seq >= 2).all()  # the torn row was rewritten
+    assert _check_consistent(cache_path, source) == n
+    assert row_bits.sum() <= n
+
+
+def test_writers_killed_at_random_moments_never_leave_a_wrong_sample(cache_path: str) -> None:
+    n, mib = 24, 1
+    source = Big(n, mib)
+    ctx = multiprocessing.get_context("spawn")
+    rng = random.Random(1234)
+    for _ in range(4):
+        proc = ctx.Process(target=big_filler, args=(cache_path, n, mib))
+        proc.start()
+        time.sleep(rng.uniform(0.5, 2.5))  # spawn + torch import take about a second: kills land mid-fill
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=30)
+        assert not proc.is_alive()
+        if os.path.exists(os.path.join(cache_path, "meta.json")):
+            _check_consistent(cache_path, source)
+    with MmapCachedDataset(cache_path, source) as ds:
+        ds.fill()
+        assert ds.num_cached == n
+    assert _check_consistent(cache_path, source) == n
+    assert not [name for name in os.listdir(os.path.dirname(cache_path)) if name.startswith(".")]
+
+
+def test_fork_child_uses_the_parents_open_cache(cache_path: str) -> None:
+    """A forked child inherits the maps; its writes (under its own lock descriptor) reach the parent."""
+    source = ImageLabels(10)
+    ds = MmapCachedDataset(cache_path, source)
+    ctx = multiprocessing.get_context("fork")
+    proc = ctx.Process(target=ds.fill)
+    proc.start()
+    _stop(proc)
+    assert proc.exitcode == 0
+    assert ds.num_cached == 10 and all(sample_equal(ds[i], source[i]) for i in range(10))
+    assert torch.equal(ds[3][0], source[3][0])
+    ds.close()
