@@ -33,7 +33,10 @@ def make_loader(ds: MmapCachedDataset, **kwargs: Any) -> DataLoader:
             sampler = RandomSampler(ds, generator=generator) if shuffle else SequentialSampler(ds)
         elif shuffle:
             raise ValueError("sampler option is mutually exclusive with shuffle")
-        batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        if type(sampler) in (RandomSampler, SequentialSampler):
+            batch_sampler = _ArrayBatches(sampler, batch_size, drop_last)
+        else:
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
     elif batch_size != 1 or shuffle or sampler is not None or drop_last:
         raise ValueError("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and drop_last")
     return DataLoader(
@@ -43,6 +46,20 @@ def make_loader(ds: MmapCachedDataset, **kwargs: Any) -> DataLoader:
 
 def _identity(batch: Any) -> Any:
     return batch
+
+
+class _ArrayBatches(BatchSampler):
+    """``BatchSampler`` over torch's own finite samplers, yielding numpy arrays: the epoch's indices are drawn in
+    one C loop (``numpy.fromiter``) instead of one Python ``next`` per index, in exactly the order (and with the
+    same random draws) that ``BatchSampler(sampler, ...)`` would produce."""
+
+    def __iter__(self) -> Iterator[np.ndarray]:  # type: ignore[override]
+        count = len(self.sampler)
+        indices = np.fromiter(iter(self.sampler), np.int64, count=count)
+        size = self.batch_size
+        stop = count - count % size if self.drop_last else count
+        for start in range(0, stop, size):
+            yield indices[start:start + size]
 
 
 class _EpochBatches(Sampler):

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ._gather import BufferPool, take
 from ._layout import BOOL, FLOAT, INT, NPSCALAR, TENSOR, Field, batch_builder, compile_checker, batch_converter, leaf_converter, \
     sample_builder
 from ._store import Store
@@ -40,6 +41,11 @@ class RowReader:
         self._batch_converters = [batch_converter(f) for f in self.fields]
         self._splitters = [_splitter(f) for f in self.fields]
         self._row_bytes = [f.nbytes for f in self.fields]
+        self._buffers = BufferPool()
+        structure = layout.structure
+        # A flat tuple of leaves in field order (the usual (input, target) pair): zip() builds the samples in C.
+        self._zip_tuples = "tuple" in structure and [s.get("leaf") for s in structure["tuple"]] == list(
+            range(len(self.fields)))
 
     def _field_reader(self, n: int) -> Callable[[int], Any]:
         """A function copying field ``n`` of a row out of the map, as the type the source returned."""
@@ -121,9 +127,15 @@ class RowReader:
     def gather(self, rows: np.ndarray, alloc: Callable[..., np.ndarray] = np.empty) -> tuple[list[np.ndarray], list[int]]:
         """Copies the given rows (fixed-shape fields only) into fresh per-field batch arrays, in order.
 
+        ``alloc`` makes each array; for ``numpy.empty`` (the default) an earlier batch's array that nothing
+        references any more is recycled instead (``_gather.BufferPool``: no page faults on fresh memory). Large
+        copies are split over threads (``_gather.take``).
+
         Returns the arrays and the positions that could not be read (not cacheable, not filled, stale under
         ``recompute``, or rewritten during the copy); the caller fills those positions.
         """
+        if alloc is np.empty:
+            alloc = self._buffers.empty
         n = len(rows)
         state = self.state
         cacheable = rows >= 0
@@ -138,7 +150,7 @@ class RowReader:
         columns = []
         for field, data in zip(self.fields, self.data):
             out = alloc((n, *field.shape), field.np_dtype)
-            np.take(data, safe_rows, axis=0, out=out, mode="clip")
+            take(data, safe_rows, out)
             columns.append(out)
         readable &= state.seq_np[safe_rows] == before
         return columns, np.flatnonzero(~readable).tolist()
@@ -146,6 +158,14 @@ class RowReader:
     def split(self, columns: list[np.ndarray]) -> list[list[Any]]:
         """Per field, the list of per-sample values of a gathered batch (views into the fresh batch arrays)."""
         return [split(column) for split, column in zip(self._splitters, columns)]
+
+    def samples(self, columns: list[np.ndarray]) -> list[Any]:
+        """The per-sample values of a gathered batch, as the source returned them (views into the batch arrays)."""
+        per_field = self.split(columns)
+        if self._zip_tuples:
+            return list(zip(*per_field))
+        build = self.build
+        return [build(leaves) for leaves in zip(*per_field)]
 
     def collate(self, columns: list[np.ndarray]) -> Any:
         """The batch as ``default_collate`` would build it, from gathered columns (no extra copy)."""

@@ -289,8 +289,7 @@ class MmapCachedDataset(Dataset):
         idx = self._indices(indices)
         if reader.variable or len(idx) == 0:
             return [self[int(i)] for i in idx]
-        columns = reader.split(self._gather(idx, self._epoch))
-        samples = [reader.build(leaves) for leaves in zip(*columns)]
+        samples = reader.samples(self._gather(idx, self._epoch))
         if self.transform is not None:
             samples = [self.transform(s) for s in samples]
         return samples
