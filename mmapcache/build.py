@@ -29,7 +29,7 @@ from ._filled import ChunkClaims
 from ._sizes import format_size
 from ._specs import DatasetSpec
 from ._store import Store, resolve_path
-from .errors import CacheMismatchError
+from .errors import CacheMismatchError, CacheReadOnlyError, MmapCacheError
 
 __all__ = ["build", "BuildReport", "Failure", "chunk_rows", "auto_shard", "parse_shard", "parse_range"]
 
@@ -318,8 +318,6 @@ def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, ma
                                  f"(`mmapcache rm {path}`) or build into another path")
     if not store.writable:
         store.close()
-        from .errors import CacheReadOnlyError
-
         raise CacheReadOnlyError(f"the cache at {path} is read-only for this process (file permissions or a "
                                  "read-only mount); run the build as the cache's owner")
     return store
@@ -411,6 +409,12 @@ class _Driver:
                 self._account(result)
                 if self._stop():
                     break
+        except RuntimeError as exc:
+            if "DataLoader worker" not in str(exc):
+                raise
+            # Killed by a signal (the OOM killer, a crash in native code): what it stored is consistent.
+            raise MmapCacheError(f"a build worker died ({exc}); the cache is consistent: rerun the same command to "
+                                 "fill what is missing, with fewer --workers if memory ran out") from exc
         finally:
             del it  # shuts the workers down now, also on interrupt
         return busy

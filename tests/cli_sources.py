@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -103,3 +104,18 @@ class Noisy(Dataset):
 
 def noisy(n: int = 16) -> Dataset:
     return Noisy(n)
+
+
+class Crashing(Dataset):
+    """``ImageLabels`` whose sample ``crash_at`` kills the process computing it (like the OOM killer)."""
+
+    def __init__(self, n: int = 32, crash_at: int = 10) -> None:
+        self.inner, self.crash_at = ImageLabels(n), crash_at
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> Any:
+        if index == self.crash_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner[index]

@@ -221,3 +221,15 @@ def test_follow_refills_rows_marked_stale_elsewhere_then_exits_on_sigterm(cache_
             proc.wait(timeout=10)
     assert proc.returncode == 0, stderr
     assert "filled 2," in stdout.strip().splitlines()[-1] and "(interrupted)" in stdout
+
+
+def test_a_worker_killed_by_a_signal_is_one_error_line(cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["build", cache_path, "--dataset", f"{SPEC}:Crashing", "--kwargs", '{"n": 32, "crash_at": 10}',
+                 "--workers", "2"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert err.startswith("mmapcache: error: a build worker died") and len(err.splitlines()) == 1, err
+    assert "rerun the same command" in err
+    with MmapCachedDataset(cache_path) as ds:
+        assert not ds.is_cached(10)
+        assert all(sample_equal(ds[i], ImageLabels(32)[i]) for i in range(32) if ds.is_cached(i))
