@@ -1,0 +1,115 @@
+"""The examples run end to end on small data, as a user would start them, and leave what they promise."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from mmapcache import MmapCachedDataset
+from mmapcache import _store
+from sources import sample_equal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+TIMEOUT = 150.0
+
+
+def run(command: list[str], env: dict[str, str] | None = None) -> str:
+    """Runs a command in its own session (killed with all its children on timeout); returns its output."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1",
+                "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""), **(env or {})}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=TIMEOUT)
+        raise AssertionError(f"{command} did not finish in {TIMEOUT} s:\n{out[-4000:]}") from None
+    assert proc.returncode == 0, f"{command} exited with {proc.returncode}:\n{out[-4000:]}"
+    return out
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_image_folder_cold_then_warm(shm_dir: str, tmp_path) -> None:
+    cache = os.path.join(shm_dir, "jpegs")
+    data = tmp_path / "data"
+    args = [sys.executable, os.path.join(EXAMPLES, "image_folder.py"), "--data-dir", str(data), "--images", "24",
+            "--size", "32", "--epochs", "2", "--workers", "2", "--batch-size", "8", "--cache", cache]
+    out = run(args)
+    assert "(0 of 24 samples already cached)" in out or "(1 of 24 samples already cached)" in out, out
+    assert re.search(r"epoch 1: .*\(cold: decoding JPEGs\)", out) and re.search(r"epoch 2: .*\(warm\)", out), out
+    assert "summary: 24 of 24 images cached" in out and "faster from the cache" in out, out
+    folder = data / "jpegs-24"
+    assert os.listdir(data) == ["jpegs-24"]  # generated once, where asked, nothing else
+    assert sum(len(files) for _, _, files in os.walk(folder)) == 24
+
+    example = load_example("image_folder")
+    source = example.JpegFolder(str(folder), 32)
+    with MmapCachedDataset(cache) as ds:  # the cache holds exactly what the slow dataset computes
+        assert ds.num_cached == 24 and all(sample_equal(ds[i], source[i]) for i in range(24))
+
+    out = run(args)  # a second run starts warm and reuses the same images and cache
+    assert "(24 of 24 samples already cached)" in out and re.search(r"epoch 1: .*\(warm\)", out), out
+    assert "generating" not in out and os.listdir(shm_dir) == ["jpegs"]
+
+
+def test_image_folder_source_errors_and_fingerprint(tmp_path) -> None:
+    example = load_example("image_folder")
+    with pytest.raises(FileNotFoundError, match="no .jpg/.jpeg files under"):
+        example.JpegFolder(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        example.JpegFolder(str(tmp_path / "missing"))
+    example.generate_images(str(tmp_path / "a"), 3)
+    first = example.JpegFolder(str(tmp_path / "a"), 16).fingerprint()
+    assert example.JpegFolder(str(tmp_path / "a"), 16).fingerprint() == first
+    assert example.JpegFolder(str(tmp_path / "a"), 24).fingerprint() != first  # preprocessing config counts
+    os.utime(example.JpegFolder(str(tmp_path / "a")).files[0], ns=(0, 0))
+    assert example.JpegFolder(str(tmp_path / "a"), 16).fingerprint() != first  # a changed file counts
+
+
+def test_two_scripts_fill_then_unrelated_reader(shm_dir: str) -> None:
+    cache = os.path.join(shm_dir, "features")
+    out = run([sys.executable, os.path.join(EXAMPLES, "two_scripts.py"), "--samples", "40", "--cache", cache])
+    fill = re.search(r"fill: stored (\d+) samples .* digest (\w+)", out)
+    read = re.search(r"read: 40 samples .* without the source; digest (\w+)", out)
+    assert fill and read, out
+    assert int(fill.group(1)) == 39  # sample 0 was stored when the cache was created
+    assert fill.group(2) == read.group(1)
+    assert _store.is_cache(cache)  # persists after both processes exited
+
+
+def test_ddp_example_under_torchrun(shm_dir: str) -> None:
+    cache = os.path.join(shm_dir, "ddp")
+    out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               os.path.join(EXAMPLES, "ddp.py"), "--samples", "64", "--epochs", "2", "--steps", "2",
+               "--batch-size", "8", "--workers", "1", "--cache", cache, "--delete-on-close"])
+    stored = [int(n) for n in re.findall(r"rank \d/2: prefill stored (\d+) samples .* 64/64 cached", out)]
+    assert len(stored) == 2 and sum(stored) == 63, out  # disjoint shares, each sample computed once on the node
+    assert re.search(r"epoch 1: mean loss over 2 ranks \d+\.\d+", out), out
+    assert os.listdir(shm_dir) == []  # --delete-on-close: the last rank out removed the cache
+
+
+def test_prewarm_script(shm_dir: str, tmp_path) -> None:
+    if shutil.which("mmapcache", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")) is None:
+        pytest.skip("the `mmapcache` command is not installed (pip install -e .)")
+    cache = os.path.join(shm_dir, "prewarmed")
+    out = run(["bash", os.path.join(EXAMPLES, "prewarm.sh"), "1"],
+              env={"CACHE": cache, "IMAGES": "24", "SIZE": "32", "DATA_DIR": str(tmp_path), "WORKERS": "1",
+                   "BUILD_WORKERS": "1", "WATCH_INTERVAL": "0.5", "PYTHON": sys.executable})
+    assert "summary: 24 of 24 images cached" in out, out
+    assert "[prewarm] build finished:" in out and re.search(r"filled:\s+24 of 24 rows \(100.0%\)", out), out
+    assert os.listdir(shm_dir) == ["prewarmed"]
