@@ -233,6 +233,7 @@ def build(
     fingerprint: str | None = None,
     max_bytes: int | str | None = None,
     variants: int | None = None,
+    max_shapes: dict[str, Sequence[int]] | None = None,
     refresh: float | None = None,
     follow: bool = False,
     fail_fast: bool = False,
@@ -254,8 +255,8 @@ def build(
         shard: ``(i, n)``: fill only the i-th of n disjoint parts (see the module docstring); ``"auto"``: the
             local rank's part under torchrun, else everything; None: everything.
         indices: ``(start, stop)``: only source indices in ``[start, stop)`` (stop None: to the end).
-        fingerprint, max_bytes, variants: passed to ``MmapCachedDataset`` when the cache is created; checked
-            against an existing cache (fingerprint, variants).
+        fingerprint, max_bytes, variants, max_shapes: passed to ``MmapCachedDataset`` when the cache is
+            created; checked against an existing cache (fingerprint, variants).
         refresh: first mark this fraction of the filled rows stale, then refill them.
         follow: after filling, keep refilling rows that become unfilled or stale (another process's
             ``refresh``), polling every 0.5 s, until interrupted (KeyboardInterrupt; the CLI maps SIGTERM to it).
@@ -279,7 +280,8 @@ def build(
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     if refresh is not None and (isinstance(refresh, bool) or not 0 <= refresh <= 1):
         raise ValueError(f"refresh must be a fraction in [0, 1], got {refresh!r}")
-    store = _open_or_create(path, spec, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants)
+    store = _open_or_create(path, spec, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants,
+                            max_shapes=max_shapes)
     report = BuildReport(path)
     try:
         if refresh:
@@ -295,14 +297,15 @@ def build(
 
 
 def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, max_bytes: Any,
-                    variants: int | None) -> Store:
+                    variants: int | None, max_shapes: dict[str, Sequence[int]] | None) -> Store:
     """Opens the cache, checking it matches the source, or creates it through ``MmapCachedDataset`` (the one
     code path that creates caches; it computes and stores the first sample to learn the layout)."""
     dataset = spec()
     if not os.path.exists(path):
         from .dataset import MmapCachedDataset
 
-        MmapCachedDataset(path, dataset, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants).close()
+        MmapCachedDataset(path, dataset, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants,
+                          max_shapes=max_shapes).close()
     store = Store(path)
     # An existing cache is checked without computing a sample (the workers check every sample's layout).
     meta, problem = store.meta, None
@@ -379,7 +382,9 @@ class _Driver:
                 chunks, rows, _ = self._todo_chunks()
                 if len(chunks):
                     self.total += rows
-                    self._round(chunks, wait=False)
+                    busy = self._round(chunks, wait=False)
+                    if len(busy) == len(chunks):
+                        time.sleep(_POLL)  # all held by other builds: let them work instead of respawning workers
                 else:
                     time.sleep(_POLL)
         except KeyboardInterrupt:

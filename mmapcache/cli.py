@@ -144,6 +144,8 @@ def _parser() -> _Parser:
                    help="on creation, cache only the samples that fit (e.g. 8G)")
     p.add_argument("--variants", type=_positive_int, metavar="K",
                    help="on creation, store K versions of each sample (the source is called K times)")
+    p.add_argument("--max-shapes", metavar="JSON",
+                   help="on creation, {field path: max shape} for fields whose shape varies, e.g. '{\"0\": [3, 512, 512]}'")
     p.add_argument("--refresh", type=_fraction, metavar="FRACTION",
                    help="first mark this fraction of filled rows stale, then refill them")
     p.add_argument("--follow", action="store_true",
@@ -222,7 +224,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     with _sigterm_as_interrupt():
         report = build(
             _resolve(args.path), spec, workers=args.workers, shard=args.shard or "auto", indices=args.indices,
-            fingerprint=args.fingerprint, max_bytes=args.max_bytes, variants=args.variants, refresh=args.refresh,
+            fingerprint=args.fingerprint, max_bytes=args.max_bytes, variants=args.variants,
+            max_shapes=_max_shapes(args.max_shapes), refresh=args.refresh,
             follow=args.follow, fail_fast=args.fail_fast, progress=True,
         )
     if report.marked_stale:
@@ -242,6 +245,21 @@ def _cmd_build(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     return 0
+
+
+def _max_shapes(text: str | None) -> dict[str, list[int]] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--max-shapes is not valid JSON ({exc.msg} at column {exc.colno}); pass an object such as "
+                         "'{\"image\": [3, 512, 512]}'") from None
+    if not isinstance(value, dict) or not all(isinstance(v, list) and all(isinstance(d, int) for d in v)
+                                              for v in value.values()):
+        raise UsageError("--max-shapes must be a JSON object of field path -> list of ints, e.g. "
+                         "'{\"image\": [3, 512, 512]}'")
+    return value
 
 
 class _sigterm_as_interrupt:

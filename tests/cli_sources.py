@@ -119,3 +119,13 @@ class Crashing(Dataset):
         if index == self.crash_at:
             os.kill(os.getpid(), signal.SIGKILL)
         return self.inner[index]
+
+
+class Ragged(Dataset):
+    """Token sequences of varying length (``index % 7 + 1``): a variable-shape field."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index: int) -> Any:
+        return {"tokens": torch.arange(index % 7 + 1, dtype=torch.int32) + index, "label": index}

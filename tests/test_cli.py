@@ -268,3 +268,20 @@ def test_bad_input_in_a_real_process_and_debug_traceback(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "mmapcache", "inspect", missing, "--debug"], capture_output=True,
                          text=True, env=ENV, timeout=60)
     assert out.returncode == 2 and "Traceback" in out.stderr and "CacheNotFoundError" in out.stderr
+
+
+def test_variable_shapes_build_inspect_and_verify(cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run("build", cache_path, "--dataset", f"{SPEC}:Ragged", "--max-shapes", '{"tokens": [8]}',
+                         "--workers", "2", capsys=capsys)
+    assert code == 0, err
+    code, out, _ = run("inspect", cache_path, "--json", capsys=capsys)
+    tokens = json.loads(out)["fields"][0]
+    assert (tokens["name"], tokens["dtype"], tokens["shape"], tokens["variable"]) == ("tokens", "int32", [8], True)
+    code, out, err = run("verify", cache_path, "--source", f"{SPEC}:Ragged", "--all", capsys=capsys)
+    assert code == 0 and "20 compared" in out, err
+    shapes = np.load(os.path.join(cache_path, "tokens.shape.npy"), mmap_mode="r+")
+    shapes[4] = 9  # beyond the field's maximum of 8
+    shapes.flush()
+    del shapes
+    code, _, err = run("verify", cache_path, capsys=capsys)
+    assert code == 1 and "row 4 holds shape (9,), outside the maximum (8,) of field 'tokens'" in err
