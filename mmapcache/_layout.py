@@ -11,7 +11,6 @@ This module speaks numpy only; torch is imported lazily, when a torch tensor is 
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections import namedtuple
 from dataclasses import dataclass
@@ -304,9 +303,10 @@ def describe_structure(structure: Any) -> str:
 
 
 def _namedtuple_class(module: str, qualname: str, names: list[str]) -> type:
-    """The original namedtuple class if importable, else an equivalent one made from the stored field names."""
+    """The original namedtuple class if its module is already imported, else an equivalent one made from the
+    stored field names. Never imports: ``meta.json`` must not be able to make a reader run a module's code."""
     try:
-        obj: Any = importlib.import_module(module)
+        obj: Any = sys.modules[module]
         for part in qualname.split("."):
             obj = getattr(obj, part)
         if isinstance(obj, type) and list(getattr(obj, "_fields", ())) == names:
