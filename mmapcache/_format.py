@@ -66,11 +66,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import keyword
 import os
 import re
 from typing import Any
 
-from ._layout import Layout
+from ._layout import KINDS, Layout
 from .errors import CacheFormatError
 
 MAGIC = "mmapcache"
@@ -161,7 +162,7 @@ def read_meta(directory: str) -> dict[str, Any]:
         raise CacheFormatError(f"{path} cannot be read ({exc}); {fix}") from None
     try:
         meta = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise CacheFormatError(f"{path} is not valid JSON ({exc}); {fix}") from None
     if not isinstance(meta, dict) or meta.get("magic") != MAGIC:
         found = meta.get("magic") if isinstance(meta, dict) else type(meta).__name__
@@ -174,7 +175,7 @@ def read_meta(directory: str) -> dict[str, Any]:
         )
     try:
         _check_meta(meta)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise CacheFormatError(f"{path} is malformed ({type(exc).__name__}: {exc}); {fix}") from None
     return meta
 
@@ -191,6 +192,47 @@ def _check_meta(meta: dict[str, Any]) -> None:
         raise ValueError("no fields")
     for field in meta["fields"]:
         for key in ("file", "shape_file"):
+    for field in layout.fields:
+        # Readers rebuild samples from these: an unknown kind or an object dtype would fail later, mid-read.
+        if field.kind not in KINDS or field.np_dtype.hasobject or any(d < 0 for d in field.shape):
+            raise ValueError(f"field {field.name!r}: bad kind {field.kind!r}, dtype {field.dtype!r} or shape "
+                             f"{field.shape}")
+    leaves = _structure_leaves(meta["structure"])
+    if sorted(leaves) != list(range(len(layout.fields))):
+        raise ValueError(f"the structure's leaves {sorted(leaves)} do not match the {len(layout.fields)} fields")
             name = field[key]
             if name is not None and (not isinstance(name, str) or "/" in name or name.startswith(".")):
                 raise ValueError(f"field {field['name']!r}: bad file name {name!r}")
+
+
+def _structure_leaves(node: Any) -> list[int]:
+    """The field numbers of a structure tree (see the format above); ValueError if the tree is malformed."""
+    if not isinstance(node, dict):
+        raise ValueError(f"structure node {node!r} is not an object")
+    if set(node) == {"leaf"}:
+        if not isinstance(node["leaf"], int) or isinstance(node["leaf"], bool):
+            raise ValueError(f"leaf {node['leaf']!r} is not a field number")
+        return [node["leaf"]]
+    if set(node) in ({"tuple"}, {"list"}):
+        children = next(iter(node.values()))
+    elif set(node) == {"dict"}:
+        pairs = node["dict"]
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                                  for p in pairs):
+            raise ValueError("a dict node must list [key, node] pairs with string keys")
+        children = [p[1] for p in pairs]
+    elif set(node) == {"namedtuple", "items"}:
+        module, qualname, names = node["namedtuple"]
+        if not (isinstance(module, str) and isinstance(qualname, str) and isinstance(names, list)
+                and all(isinstance(n, str) and n.isidentifier() and not keyword.iskeyword(n) and n[0] != "_"
+                        for n in names) and len(set(names)) == len(names)
+                and qualname.rsplit(".", 1)[-1].isidentifier()):
+            raise ValueError(f"bad namedtuple description {node['namedtuple']!r}")
+        children = node["items"]
+        if not isinstance(children, list) or len(children) != len(names):
+            raise ValueError(f"namedtuple {qualname!r} has {len(names)} names but items {children!r}")
+    else:
+        raise ValueError(f"unknown structure node with keys {sorted(node)}")
+    if not isinstance(children, list):
+        raise ValueError(f"structure node {node!r} does not list its children")
+    return [leaf for child in children for leaf in _structure_leaves(child)]

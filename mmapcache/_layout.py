@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import LayoutError
+from .errors import CacheFormatError, LayoutError
 
 # Kinds of leaf. A kind decides how a stored value is turned back into what the source returned.
 TENSOR, NDARRAY, INT, FLOAT, BOOL, NPSCALAR = "tensor", "ndarray", "int", "float", "bool", "numpy_scalar"
@@ -374,10 +374,20 @@ def leaf_converter(field: Field) -> Callable[[np.ndarray], Any]:
     import torch
 
     from_numpy = torch.from_numpy
-    target = getattr(torch, field.torch_dtype or "")
+    target = _torch_dtype(field)
     if from_numpy(np.zeros(0, field.np_dtype)).dtype == target:
         return from_numpy
     return lambda a: from_numpy(a).view(target)
+
+
+def _torch_dtype(field: Field) -> Any:
+    import torch
+
+    target = getattr(torch, field.torch_dtype or "", None)
+    if not isinstance(target, torch.dtype):  # a damaged meta.json: refuse it here, not on every read
+        raise CacheFormatError(f"field {field.name!r}: torch_dtype {field.torch_dtype!r} in meta.json is not a torch "
+                               "dtype; the cache is damaged: remove it and build it again")
+    return target
 
 
 def batch_converter(field: Field) -> Callable[[np.ndarray], Any]:
@@ -386,7 +396,7 @@ def batch_converter(field: Field) -> Callable[[np.ndarray], Any]:
 
     from_numpy = torch.from_numpy
     if field.kind == TENSOR:
-        target = getattr(torch, field.torch_dtype or "")
+        target = _torch_dtype(field)
         if from_numpy(np.zeros(0, field.np_dtype)).dtype != target:
             return lambda a: from_numpy(a).view(target)
     return from_numpy
@@ -489,7 +499,7 @@ def _compile_leaf(field: Field) -> Callable[[Any], Any]:
         return check_ndarray
     import torch
 
-    tensor_type, target = torch.Tensor, getattr(torch, field.torch_dtype or "")
+    tensor_type, target = torch.Tensor, _torch_dtype(field)
     # Types numpy lacks (bfloat16, complex32, float8) are stored as the unsigned int of their width.
     raw = getattr(torch, "uint" + str(8 * dtype.itemsize)) if field.torch_dtype and \
         torch.from_numpy(np.zeros(0, dtype)).dtype != target else None
