@@ -21,6 +21,7 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 import threading
 from typing import Callable
 
@@ -56,9 +57,11 @@ class WriterLock:
                 self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 raise CacheFormatError(_lock_missing(self._path)) from None
-            except IsADirectoryError:
-                raise CacheFormatError(f"{self._path} is a directory, expected an empty lock file; remove the cache "
-                                       "and build it again") from None
+            if not stat.S_ISREG(os.fstat(self._fd).st_mode):  # O_RDONLY opens a directory without complaint
+                os.close(self._fd)
+                self._fd = -1
+                raise CacheFormatError(f"{self._path} is not a regular file, expected an empty lock file; remove the "
+                                       "cache and build it again")
             self._pid = os.getpid()
 
     def __enter__(self) -> WriterLock:
