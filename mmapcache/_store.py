@@ -377,6 +377,9 @@ def create(
     parent = os.path.dirname(path)
     rows = slots * variants
     needed = plan_bytes(layout, rows, slots if slot_index is not None else 0)
+    # Every file takes whole blocks (tmpfs: pages) plus its .npy header: a layout of many small fields otherwise
+    # passes the check, then fails on ENOSPC with a message claiming it needs less than is free.
+    needed += (2 * len(layout.fields) + 7) * ((os.statvfs(parent).f_frsize or 4096) + 128)
     free = free_bytes(parent)
     if needed > free:
         raise InsufficientSpaceError(_space_message(path, needed, free, layout, variants, length))
