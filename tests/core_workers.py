@@ -177,8 +177,8 @@ def concurrent_filler(path: str, n: int, seed: int, barrier: Any, queue: Any, ro
     """Fills and reads overlapping indices in its own random order; reports any sample that differs."""
     try:
         source = ImageLabels(n, shape=(64, 1024))
-        ds = MmapCachedDataset(path, ImageLabels(n, shape=(64, 1024)))
         barrier.wait(timeout=60)
+        ds = MmapCachedDataset(path, ImageLabels(n, shape=(64, 1024)))  # all race to create it, then to fill it
         rng = random.Random(seed)
         bad = []
         for _ in range(rounds):
