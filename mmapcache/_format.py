@@ -136,7 +136,9 @@ def make_meta(
 
 
 def write_meta(directory: str, meta: dict[str, Any]) -> None:
-    with open(os.path.join(directory, META), "w", encoding="utf-8") as f:
+    # 0o664 minus the umask, never writable by others (see _store.FILE_MODE).
+    fd = os.open(os.path.join(directory, META), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o664)
+    with open(fd, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)
         f.write("\n")
 

@@ -28,6 +28,11 @@ from .errors import CacheFormatError, CacheNotFoundError, InsufficientSpaceError
 DEFAULT_DIR = "/dev/shm/mmapcache"
 _TMP_MARK = ".tmp-"
 _DELETING_MARK = ".deleting-"
+# Created files and directories get these modes minus the umask: never writable by others, whatever the umask,
+# because every process able to write a cache can make its readers serve wrong samples. Share a cache through a
+# group instead (umask 002 and a setgid parent directory).
+FILE_MODE = 0o664
+_DIR_MODE = 0o775
 
 
 def cache_root() -> str:
@@ -334,7 +339,7 @@ def parent_lock(path: str) -> Iterator[None]:
     """Serialises creation and removal of caches in one parent directory (``flock`` on the directory)."""
     parent = os.path.dirname(path)
     try:
-        os.makedirs(parent, exist_ok=True)
+        os.makedirs(parent, mode=_DIR_MODE, exist_ok=True)
     except FileExistsError:
         raise MmapCacheError(f"{parent} is a file; the parent of a cache must be a directory") from None
     fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -418,7 +423,7 @@ def create(
 def _write_npy(directory: str, name: str, dtype: np.dtype, shape: tuple[int, ...], keep_open: bool = False) -> int:
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
     path = os.path.join(directory, name)
-    with open(path, "wb") as f:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE), "wb") as f:
         np.lib.format.write_array_header_1_0(f, header)
         offset = f.tell()
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -426,7 +431,7 @@ def _write_npy(directory: str, name: str, dtype: np.dtype, shape: tuple[int, ...
 
 
 def _reserve(path: str, size: int, keep_open: bool = False) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
     try:
         if size:
             try:
