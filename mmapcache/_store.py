@@ -23,7 +23,7 @@ from . import _format as fmt
 from ._filled import SlotState, bitmap_bytes
 from ._layout import Field, Layout
 from ._sizes import format_size
-from .errors import CacheFormatError, CacheNotFoundError, InsufficientSpaceError, MmapCacheError
+from .errors import CacheFormatError, CacheNotFoundError, CacheReadOnlyError, InsufficientSpaceError, MmapCacheError
 
 DEFAULT_DIR = "/dev/shm/mmapcache"
 _TMP_MARK = ".tmp-"
@@ -42,7 +42,10 @@ def cache_root() -> str:
 
 def resolve_path(path: str | os.PathLike[str]) -> str:
     """A path containing ``/`` is used as given; a bare name resolves under ``cache_root()``."""
-    text = os.fspath(path)
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        text = None
     if not isinstance(text, str) or not text:
         raise TypeError(f"cache path must be a non-empty str or os.PathLike, got {path!r}")
     if "/" not in text:
@@ -342,6 +345,8 @@ def parent_lock(path: str) -> Iterator[None]:
         os.makedirs(parent, mode=_DIR_MODE, exist_ok=True)
     except FileExistsError:
         raise MmapCacheError(f"{parent} is a file; the parent of a cache must be a directory") from None
+    except OSError as exc:
+        raise _cannot_create(parent, exc) from None
     fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -386,11 +391,16 @@ def create(
     # passes the check, then fails on ENOSPC with a message claiming it needs less than is free.
     needed += (2 * len(layout.fields) + 7) * ((os.statvfs(parent).f_frsize or 4096) + 128)
     free = free_bytes(parent)
-    if needed > free:
+    # A file system reporting no size at all (tmpfs mounted with size=0 is unlimited; /proc and sysfs hold no
+    # files) gets no up-front check: the reservation below still fails cleanly if the room is not there.
+    if needed > free and os.statvfs(parent).f_blocks:
         raise InsufficientSpaceError(_space_message(path, needed, free, layout, variants, length))
     tmp = f"{parent}/.{os.path.basename(path)}{_TMP_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.mkdir(tmp)
+    try:
+        os.mkdir(tmp, _DIR_MODE)
+    except OSError as exc:
+        raise _cannot_create(parent, exc) from None
     try:
         meta = fmt.make_meta(
             layout, length=length, slots=slots, variants=variants, has_slot_index=slot_index is not None,
@@ -418,6 +428,23 @@ def create(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _cannot_create(parent: str, exc: OSError) -> MmapCacheError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientSpaceError(
+            f"cannot create a cache in {parent} ({exc.strerror}): the file system is full or out of inodes; free "
+            "space (`mmapcache ls`, `mmapcache rm`) or put the cache elsewhere with MMAPCACHE_DIR"
+        )
+    if exc.errno in (errno.EACCES, errno.EROFS):
+        return CacheReadOnlyError(
+            f"cannot create a cache in {parent} ({exc.strerror}): no write permission or a read-only mount; pass a "
+            "path in a directory you may write, or set MMAPCACHE_DIR (e.g. to a directory of your own in /dev/shm)"
+        )
+    return MmapCacheError(
+        f"cannot create a cache in {parent} ({exc.strerror}): this file system cannot hold one; put the cache on "
+        "tmpfs (/dev/shm, the default) or a local disk: pass such a path or set MMAPCACHE_DIR"
+    )
 
 
 def _write_npy(directory: str, name: str, dtype: np.dtype, shape: tuple[int, ...], keep_open: bool = False) -> int:
