@@ -76,6 +76,8 @@ def test_common_shapes_of_samples(cache_path: str, shm_dir: str) -> None:
         "list": lambda i: [torch.arange(3) + i, i],
         "dict": lambda i: {"x": np.full(3, i, np.float32), "y": {"z": torch.tensor([i], dtype=torch.bfloat16)}},
         "namedtuple": lambda i: Sample(torch.ones(2) * i, i % 2 == 1),
+        "unsorted-keys": lambda i: {"z": i, "a": float(i), "m": [np.uint8(i)]},
+        "deep": lambda i: _nest(30, torch.tensor([i, -i], dtype=torch.int16)),
     }
     for name, make in forms.items():
         source = [make(i) for i in range(5)]
@@ -83,6 +85,18 @@ def test_common_shapes_of_samples(cache_path: str, shm_dir: str) -> None:
             for i in range(5):
                 assert sample_equal(ds[i], source[i]), (name, i)
                 assert type(ds[i]) is type(source[i])
+
+
+def _nest(depth: int, leaf: Any) -> Any:
+    """A leaf inside ``depth`` alternating list/tuple/dict levels."""
+    for level in range(depth):
+        leaf = [leaf] if level % 3 == 0 else (leaf, level) if level % 3 == 1 else {f"k{level}": leaf}
+    return leaf
+
+
+def test_dict_key_that_is_not_a_str_is_refused(cache_path: str) -> None:
+    with pytest.raises(LayoutError, match=r"field 'x': dict key 3 is a int, expected str"):
+        MmapCachedDataset(cache_path, [{"x": {3: torch.zeros(1)}}] * 2)
 
 
 def test_views_and_grad_tensors_are_stored_by_value(cache_path: str) -> None:
