@@ -89,9 +89,13 @@ class MmapCachedDataset(Dataset):
         self.fingerprint = _check_optional_str(fingerprint, "fingerprint")
         self.stale = _check_choice(stale, "stale", _STALE_MODES)
         self.variant_choice = _check_choice(variant_choice, "variant_choice", _VARIANT_CHOICES)
-        self.seed = operator.index(seed)
-        self.delete_on_close = bool(delete_on_close)
-        self.check_finite = bool(check_finite)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} ({seed!r})")
+        self.seed = int(seed)
+        # A truthy string like "no" must not mean yes: overwrite=True replaces someone's cache.
+        overwrite = _check_bool(overwrite, "overwrite")
+        self.delete_on_close = _check_bool(delete_on_close, "delete_on_close")
+        self.check_finite = _check_bool(check_finite, "check_finite")
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
         self._epoch = 0
@@ -542,7 +546,8 @@ class _CreateOptions:
             if not isinstance(max_shapes, Mapping):
                 raise TypeError(f"max_shapes must be a dict of field path -> shape, got {type(max_shapes).__name__}")
             for name, shape in max_shapes.items():
-                if not isinstance(name, str) or not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
+                if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or not all(
+                        isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
                     raise ValueError(f"max_shapes[{name!r}] must be a tuple of non-negative ints, got {shape!r}")
             max_shapes = {name: tuple(int(d) for d in shape) for name, shape in max_shapes.items()}
         self.max_shapes = max_shapes
@@ -584,6 +589,12 @@ def _source_length(dataset: Any) -> int:
     if not hasattr(dataset, "__getitem__"):
         raise TypeError(f"the dataset ({type(dataset).__name__}) has no __getitem__; it must be map-style")
     return n
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r})")
+    return bool(value)
 
 
 def _check_optional_str(value: Any, name: str) -> str | None:
