@@ -224,3 +224,30 @@ def raw_rows(path: str, field_file: str = "0.npy") -> tuple[np.ndarray, np.ndarr
 
 def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def create_as_user(path: str, uid: int, queue: Any) -> None:
+    """Drops root, then tries to create a cache; reports the error."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    try:
+        MmapCachedDataset(path, ImageLabels(4)).close()
+        queue.put({"type": None, "message": "created"})
+    except Exception as exc:
+        queue.put({"type": type(exc).__name__, "message": str(exc)})
+
+
+def hog_space(path: str, size: int, stop: Any, deadline_s: float) -> None:
+    """Takes ``size`` bytes of a file system and gives them back, again and again, until stopped."""
+    end = time.monotonic() + deadline_s
+    while not stop.is_set() and time.monotonic() < end:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            pass  # the room is taken by a cache right now
+        time.sleep(0.002)
+        os.close(fd)
+        os.unlink(path)
+        time.sleep(0.002)

@@ -27,7 +27,6 @@ from mmapcache._layout import Layout
 from sources import ImageLabels, image_of, sample_equal
 
 FORK = multiprocessing.get_context("fork")
-SPAWN = multiprocessing.get_context("spawn")
 
 
 def _join_all(procs: list[Any], timeout: float) -> None:
@@ -146,8 +145,8 @@ def test_eight_writers_two_readers_no_lost_bit_no_torn_sample(cache_path: str, t
 def test_eight_creators_end_up_on_one_cache(cache_path: str, tmp_path: Any) -> None:
     parent = os.path.dirname(cache_path)
     before = set(os.listdir(parent))
-    barrier = SPAWN.Barrier(8)
-    procs = [SPAWN.Process(target=fw.create_at_barrier, args=(cache_path, 16, barrier, str(tmp_path / f"c{k}")))
+    barrier = FORK.Barrier(8)
+    procs = [FORK.Process(target=fw.create_at_barrier, args=(cache_path, 16, barrier, str(tmp_path / f"c{k}")))
              for k in range(8)]
     for p in procs:
         p.start()
@@ -209,16 +208,46 @@ def test_full_file_system_is_refused_up_front(small_tmpfs: Any) -> None:
     assert os.listdir(mount) == []
 
 
-def test_space_gone_between_check_and_reservation(small_tmpfs: Any) -> None:
-    # The free-space check passes (it ignores .npy headers and tmpfs's page rounding), but reserving every
-    # file does not fit: the reservation itself must turn ENOSPC into InsufficientSpaceError and clean up.
+def test_room_gone_between_check_and_reservation(small_tmpfs: Any) -> None:
+    # The byte check passes, but the file system runs out of inodes while the files are created: the reservation
+    # step itself must turn ENOSPC into InsufficientSpaceError and remove what it made.
     n, shape = 64, (3, 64, 64)
-    needed = _planned_bytes(n, shape)
-    mount = small_tmpfs(-(-needed // 4096) * 4096)
-    assert _store.free_bytes(mount) >= needed, "the tmpfs is too small to reach the reservation step"
+    mount = small_tmpfs(64 << 20)
+    subprocess.run(["mount", "-o", "remount,nr_inodes=6", mount], check=True)
+    assert _store.free_bytes(mount) > 4 * _planned_bytes(n, shape)
     result = _create_in_child(os.path.join(mount, "cache"), shape, n)
     assert result["ok"] is False and result["type"] == "InsufficientSpaceError", result
     assert os.listdir(mount) == []
+
+
+@pytest.mark.slow
+def test_space_taken_while_creating_is_always_a_clean_error(small_tmpfs: Any, tmp_path: Any) -> None:
+    # Another process grabs and frees most of the room again and again while caches are created: each creation
+    # either succeeds or raises InsufficientSpaceError (up front or from the reservation), never anything else,
+    # and nothing is left behind.
+    n, shape = 32, (3, 64, 64)
+    needed = _planned_bytes(n, shape)
+    mount = small_tmpfs(3 * needed)
+    stop = FORK.Event()
+    hog = FORK.Process(target=fw.hog_space, args=(os.path.join(mount, "hog"), 2 * needed, stop, 60.0))
+    hog.start()
+    outcomes: dict[str, int] = {}
+    try:
+        for k in range(12):
+            result = _create_in_child(os.path.join(mount, f"cache{k}"), shape, n, fill=True)
+            key = "created" if result["ok"] else result["type"]
+            outcomes[key] = outcomes.get(key, 0) + 1
+            if result["ok"]:
+                assert result["cached"] == n
+                shutil.rmtree(os.path.join(mount, f"cache{k}"))
+    finally:
+        stop.set()
+        hog.join(30)
+    assert hog.exitcode == 0
+    assert set(outcomes) <= {"created", "InsufficientSpaceError"}, outcomes
+    assert sum(outcomes.values()) == 12
+    assert [name for name in os.listdir(mount) if name != "hog"] == []
+    print(f"outcomes: {outcomes}")
 
 
 def test_space_taken_by_others_after_creation_causes_no_sigbus(small_tmpfs: Any) -> None:
@@ -446,3 +475,55 @@ def test_read_only_bind_mount(cache_path: str, tmp_path: Any) -> None:
                 ds.refresh(indices=[0])
     finally:
         subprocess.run(["umount", "-l", view], check=False)
+
+
+def test_unprivileged_user_cannot_create_in_a_directory_it_may_not_write(shm_dir: str) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to switch to an unprivileged user")
+    os.chmod(shm_dir, 0o755)  # root's, not writable by uid 65534
+    queue = FORK.Queue()
+    p = FORK.Process(target=fw.create_as_user, args=(os.path.join(shm_dir, "cache"), 65534, queue))
+    p.start()
+    try:
+        out = queue.get(timeout=120)
+    finally:
+        p.join(30)
+    assert p.exitcode == 0
+    assert out["type"] == "CacheReadOnlyError", out
+    assert f"cannot create a cache in {shm_dir} (Permission denied)" in out["message"]
+    assert "MMAPCACHE_DIR" in out["message"]
+    assert os.listdir(shm_dir) == []
+
+
+def test_unlimited_tmpfs_is_not_refused(small_tmpfs: Any) -> None:
+    # tmpfs mounted with size=0 has no limit and reports 0 blocks, 0 free: the up-front check must not refuse it.
+    mount = small_tmpfs(0)
+    assert os.statvfs(mount).f_blocks == 0
+    result = _create_in_child(os.path.join(mount, "cache"), (3, 8, 8), 32, fill=True)
+    assert result == {"ok": True, "cached": 32}
+
+
+# --- 9. file modes ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [
+    (0o022, 0o644, 0o755),
+    (0o002, 0o664, 0o775),
+    (0o077, 0o600, 0o700),
+    (0o000, 0o664, 0o775),  # never writable by others, even when the umask would allow it
+])
+def test_created_files_follow_the_umask_and_are_never_world_writable(shm_dir: str, umask: int, file_mode: int,
+                                                                     dir_mode: int) -> None:
+    path = os.path.join(shm_dir, "root", "cache")  # the parent directory is created too
+    old = os.umask(umask)
+    try:
+        MmapCachedDataset(path, ImageLabels(8), cache_indices=[1, 3, 5]).close()
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o7777 == dir_mode
+    assert os.stat(os.path.dirname(path)).st_mode & 0o7777 == dir_mode
+    names = sorted(os.listdir(path))
+    assert {"meta.json", "0.npy", "1.npy", "slot_index.npy", "filled.bits", "stale.bits", "seq.u32", "lock",
+            "users"} <= set(names)
+    modes = {name: os.stat(os.path.join(path, name)).st_mode & 0o7777 for name in names}
+    assert modes == dict.fromkeys(names, file_mode)
