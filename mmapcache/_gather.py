@@ -26,7 +26,8 @@ import numpy as np
 _MIN_BYTES_PER_THREAD = 1 << 20
 _MAX_THREADS = 4
 # Buffers kept per (shape, dtype), and shapes remembered (the last batch of an epoch is usually shorter).
-_BUFFERS_PER_KEY = 3
+# Two per shape: a loop still holds the previous batch while the next one is gathered.
+_BUFFERS_PER_KEY = 2
 _MAX_KEYS = 8
 
 
@@ -64,10 +65,15 @@ _executor_pid = -1
 _executor_lock = threading.Lock()
 
 
+# One pool per process, shared by every cache it reads (a batch's buffers are the same whichever cache fills them).
+buffers = BufferPool()
+
+
 def _forget_executor() -> None:
-    """In a forked child: the parent's threads do not exist here, and its lock may have been held at fork time."""
+    """In a forked child: the parent's threads do not exist here, and its locks may have been held at fork time."""
     global _executor, _executor_pid, _executor_lock
     _executor, _executor_pid, _executor_lock = None, -1, threading.Lock()
+    buffers._lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_executor)

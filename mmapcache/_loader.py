@@ -39,8 +39,11 @@ def make_loader(ds: MmapCachedDataset, **kwargs: Any) -> DataLoader:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
     elif batch_size != 1 or shuffle or sampler is not None or drop_last:
         raise ValueError("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and drop_last")
+    # The generator also goes to the outer DataLoader: it draws the workers' base seed from it before the sampler
+    # draws the permutation, exactly as DataLoader(ds, generator=...) does, so both shuffle alike.
     return DataLoader(
-        _Batches(ds), batch_size=None, sampler=_EpochBatches(batch_sampler, ds), collate_fn=_identity, **kwargs
+        _Batches(ds), batch_size=None, sampler=_EpochBatches(batch_sampler, ds), collate_fn=_identity,
+        generator=generator, **kwargs
     )
 
 

@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._gather import BufferPool, take
+from . import _gather
+from ._gather import take
 from ._layout import BOOL, FLOAT, INT, NPSCALAR, TENSOR, Field, batch_builder, compile_checker, batch_converter, leaf_converter, \
     sample_builder
 from ._store import Store
@@ -41,7 +42,7 @@ class RowReader:
         self._batch_converters = [batch_converter(f) for f in self.fields]
         self._splitters = [_splitter(f) for f in self.fields]
         self._row_bytes = [f.nbytes for f in self.fields]
-        self._buffers = BufferPool()
+        self._buffers = _gather.buffers
         structure = layout.structure
         # A flat tuple of leaves in field order (the usual (input, target) pair): zip() builds the samples in C.
         self._zip_tuples = "tuple" in structure and [s.get("leaf") for s in structure["tuple"]] == list(

@@ -15,6 +15,7 @@ Groups: raw, baselines, stocaching, mmapcache, per_sample, cold, memory, build, 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import multiprocessing as mp
@@ -228,39 +229,49 @@ class Bench:
                  "cache creation included; every sample is a miss, computed and published")
 
     def bench_memory(self) -> None:
-        ctx = mp.get_context("spawn")
+        # This process must not map the cache while the readers are measured: PSS splits each shared page among
+        # every process mapping it, so a mapping here would hide part of the readers' share.
+        self.ds.close()
+        gc.collect()
+        ctx = mp.get_context("spawn")  # fresh processes: nothing inherited from this one
         warm = os.path.join(self.tmp, "memory-warm-up")
         MmapCachedDataset(warm, src.Synthetic(2 * self.batch, self.shape)).fill()
         np.save(warm + ".npy", np.zeros((2 * self.batch, *self.shape), np.uint8))
-        for mode, path, size in (("cache", self.cache_path, self.cache_bytes),
-                                 ("private", self.images_path, os.path.getsize(self.images_path))):
-            ready = [ctx.Event() for _ in range(4)]
-            done = [ctx.Event() for _ in range(4)]
-            go, leave = ctx.Event(), ctx.Event()
-            procs = [ctx.Process(target=src.memory_reader, args=(mode, path, warm, ready[k], go, done[k], leave))
-                     for k in range(4)]
-            for p in procs:
-                p.start()
-            try:
-                if not all(e.wait(120) for e in ready):
-                    raise RuntimeError("memory readers did not start within 120 s")
-                time.sleep(0.2)
-                before = sum(src.pss_kib(p.pid) for p in procs)
-                go.set()
-                if not all(e.wait(300) for e in done):
-                    raise RuntimeError("memory readers did not finish within 300 s")
-                after = sum(src.pss_kib(p.pid) for p in procs)
-            finally:
-                leave.set()
-                for p in procs:
-                    p.join(60)
-                    if p.is_alive():
-                        p.kill()
+        modes = {"cache": (self.cache_path, self.cache_bytes),
+                 "private": (self.images_path, os.path.getsize(self.images_path))}
+        go, leave = ctx.Event(), ctx.Event()
+        procs, ready, done = [], [], []
+        for mode, (path, _) in modes.items():  # both sets run at once: one start-up wait instead of two
+            for _ in range(4):
+                ready.append(ctx.Event())
+                done.append(ctx.Event())
+                procs.append((mode, ctx.Process(target=src.memory_reader,
+                                                args=(mode, path, warm, ready[-1], go, done[-1], leave))))
+        for _, p in procs:
+            p.start()
+        try:
+            if not all(e.wait(180) for e in ready):
+                raise RuntimeError("memory readers did not start within 180 s")
+            time.sleep(0.2)
+            before = {p.pid: src.pss_kib(p.pid) for _, p in procs}
+            go.set()
+            if not all(e.wait(300) for e in done):
+                raise RuntimeError("memory readers did not finish within 300 s")
+            after = {p.pid: src.pss_kib(p.pid) for _, p in procs}
+        finally:
+            leave.set()
+            for _, p in procs:
+                p.join(60)
+                if p.is_alive():
+                    p.kill()
+        for mode, (path, size) in modes.items():
+            growth = sum(after[p.pid] - before[p.pid] for m, p in procs if m == mode) * 1024
             label = "mmapcache (4 processes reading the whole cache)" if mode == "cache" else \
                 "private copies (4 processes each loading the array, as TensorDataset)"
-            self.row(f"memory: {label}", "memory", (after - before) * 1024 / size, "x data size",
-                     f"sum of PSS growth {(after - before) / 1024:,.0f} MiB for {size / 2**20:,.0f} MiB of data "
-                     "(each process first read a small cache/array to warm up imports and allocators)")
+            self.row(f"memory: {label}", "memory", growth / size, "x data size",
+                     f"sum of PSS growth {growth / 2**20:,.0f} MiB for {size / 2**20:,.0f} MiB of data (each process "
+                     "first read a small cache/array, so imports and allocator pools are in its baseline)")
+        self.ds = MmapCachedDataset(self.cache_path, self.source)
 
     def bench_build(self) -> None:
         command = _build_command()
@@ -293,10 +304,10 @@ class Bench:
 
     def bench_lock(self) -> None:
         processes, per_process = 8, 2000
-        seconds = 1.0 if self.quick else 3.0
+        seconds = 0.5 if self.quick else 3.0
         path = os.path.join(self.tmp, "lock")
         MmapCachedDataset(path, src.Synthetic(processes * per_process, (3, 32, 32))).close()
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("fork")  # starts in milliseconds; how a process started does not change its rate
         configs = [("flock", 0.0, "the cache's blocking flock"),
                    ("filelock", 0.05, "filelock.FileLock, default 50 ms poll"),
                    ("filelock", 0.001, "filelock.FileLock, 1 ms poll")]
@@ -308,12 +319,14 @@ class Bench:
                      "skipped: pip install filelock (the bench extra)")
         for mode, poll, label in configs:
             go, out = ctx.Event(), ctx.Queue()
+            ready = [ctx.Event() for _ in range(processes)]
             procs = [ctx.Process(target=src.lock_publisher, args=(
-                mode, path, list(range(k * per_process, (k + 1) * per_process)), poll, seconds, go, out))
+                mode, path, list(range(k * per_process, (k + 1) * per_process)), poll, seconds, ready[k], go, out))
                 for k in range(processes)]
             for p in procs:
                 p.start()
-            time.sleep(3.0)  # let every process import torch and open the cache before the start
+            if not all(e.wait(120) for e in ready):
+                raise RuntimeError("lock benchmark processes did not start within 120 s")
             go.set()
             results = [out.get(timeout=120) for _ in procs]
             for p in procs:

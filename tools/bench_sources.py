@@ -155,7 +155,8 @@ def memory_reader(mode: str, path: str, warm: str, ready: Any, go: Any, done: An
     del keep
 
 
-def lock_publisher(mode: str, path: str, rows: list[int], poll: float, seconds: float, go: Any, out: Any) -> None:
+def lock_publisher(mode: str, path: str, rows: list[int], poll: float, seconds: float, ready: Any, go: Any,
+                   out: Any) -> None:
     """Publishes ``rows`` of the cache at ``path`` (stopping after ``seconds``), taking the cache's own flock
     (``mode`` "flock") or a ``filelock.FileLock`` with poll interval ``poll``; puts (count, first, last) on ``out``."""
     ds = MmapCachedDataset(path)
@@ -179,6 +180,7 @@ def lock_publisher(mode: str, path: str, rows: list[int], poll: float, seconds: 
         own = state.lock
         state.lock = _Polled()
     value = [np.zeros(f.shape, f.np_dtype) for f in reader.fields]
+    ready.set()
     if not go.wait(120):
         out.put((0, 0.0, 0.0))
         return

@@ -1,0 +1,192 @@
+"""``ds.loader()`` and ``__getitems__`` yield exactly what ``DataLoader(ds)`` with default collation yields.
+
+Equality is exact (``sample_equal``: structure, container types, dtypes, bytes) for every kind of leaf, every
+batching option, in-process and in worker processes (fork and spawn), fully cached, partly cached and with misses
+inside batches. Also: recycled batch buffers never overwrite a batch the caller still holds, and gathers split
+over threads copy the same bytes as one thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, SubsetRandomSampler
+
+from loader_sources import Mixed
+from mmapcache import MmapCachedDataset
+from sources import sample_equal
+
+
+def _both(ds: MmapCachedDataset, **kwargs: Any) -> tuple[list[Any], list[Any]]:
+    """Batches of ``ds.loader(**kwargs)`` and of ``DataLoader(ds, **kwargs)``; a ``seed`` kwarg becomes a fresh
+    generator seeded alike for each (so both shuffle identically)."""
+    seed = kwargs.pop("seed", None)
+    fast = ds.loader(**kwargs, **({"generator": torch.Generator().manual_seed(seed)} if seed is not None else {}))
+    plain = DataLoader(ds, **kwargs, **({"generator": torch.Generator().manual_seed(seed)} if seed is not None else {}))
+    return list(fast), list(plain)
+
+
+def _zero_d_as_1_d(x: Any) -> Any:
+    """0-d tensors as 1-element ones (``sample_equal`` compares bytes through a view that 0-d tensors refuse);
+    containers keep their types."""
+    if isinstance(x, torch.Tensor):
+        return x.reshape(1) if x.dim() == 0 else x
+    if isinstance(x, dict):
+        return {k: _zero_d_as_1_d(v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*[_zero_d_as_1_d(v) for v in x])
+    if isinstance(x, (list, tuple)):
+        return type(x)(_zero_d_as_1_d(v) for v in x)
+    return x
+
+
+def _assert_same(fast: list[Any], plain: list[Any]) -> None:
+    assert len(fast) == len(plain) > 0
+    for k, (a, b) in enumerate(zip(fast, plain)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            assert a.dim() == b.dim(), f"batch {k}: {a.dim()}-d vs {b.dim()}-d"
+        assert sample_equal(_zero_d_as_1_d(a), _zero_d_as_1_d(b)), f"batch {k} differs:\n{a!r}\nvs\n{b!r}"
+
+
+@pytest.mark.parametrize("kind", ["pair", "dict", "nested"])
+def test_every_structure_and_leaf_kind_matches_default_collate(cache_path: str, kind: str) -> None:
+    with MmapCachedDataset(cache_path, Mixed(40, kind)) as ds:
+        ds.fill()
+        fast, plain = _both(ds, batch_size=8, shuffle=True, seed=3)
+        _assert_same(fast, plain)
+        if kind == "pair":
+            assert type(fast[0]) is list and fast[0][1].dtype == torch.int64
+        if kind == "nested":
+            record = fast[0][0]
+            assert type(record).__name__ == "Record" and fast[0][1]["half"].dtype == torch.bfloat16
+            assert record.flag.dtype == torch.bool and record.score.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"batch_size": 7},
+        {"batch_size": 7, "drop_last": True},
+        {"batch_size": 6, "shuffle": True, "seed": 11, "drop_last": True},
+        {"batch_size": 5, "sampler": "subset"},
+        {"batch_sampler": "custom"},
+        {"batch_size": None},
+    ],
+    ids=["sequential", "drop_last", "shuffle_drop_last", "sampler", "batch_sampler", "no_batching"],
+)
+def test_batching_options_match(cache_path: str, kwargs: dict[str, Any]) -> None:
+    kwargs = dict(kwargs)
+    if kwargs.get("sampler") == "subset":
+        kwargs["sampler"] = SubsetRandomSampler(list(range(3, 30)), generator=torch.Generator().manual_seed(5))
+    if kwargs.get("batch_sampler") == "custom":
+        kwargs["batch_sampler"] = [[4, 1, 1], [30, 2], [0], list(range(9, 20))]
+    with MmapCachedDataset(cache_path, Mixed(33, "dict")) as ds:
+        ds.fill()
+        if "sampler" in kwargs:  # a sampler's iteration consumes its generator: give each loader its own copy
+            fast = list(ds.loader(**kwargs))
+            kwargs["sampler"] = SubsetRandomSampler(list(range(3, 30)), generator=torch.Generator().manual_seed(5))
+            plain = list(DataLoader(ds, **kwargs))
+        else:
+            fast, plain = _both(ds, **kwargs)
+        _assert_same(fast, plain)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_match_in_order(cache_path: str, context: str) -> None:
+    with MmapCachedDataset(cache_path, Mixed(48, "nested")) as ds:
+        ds.fill()
+        kwargs = {"batch_size": 8, "shuffle": True, "seed": 7, "num_workers": 2, "multiprocessing_context": context,
+                  "persistent_workers": context == "spawn", "timeout": 120}
+        fast, plain = _both(ds, **kwargs)
+        _assert_same(fast, plain)
+
+
+def test_persistent_workers_serve_every_epoch(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Mixed(24, "pair")) as ds:
+        ds.fill()
+        loader = ds.loader(batch_size=5, num_workers=2, persistent_workers=True, multiprocessing_context="fork",
+                           timeout=120)
+        plain = list(DataLoader(ds, batch_size=5))
+        for _ in range(3):
+            _assert_same(list(loader), plain)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_partial_cache_and_misses_inside_batches(cache_path: str, workers: int) -> None:
+    source = Mixed(40, "pair", shape=(3, 16, 16))
+    row_bytes = 3 * 16 * 16 + 8
+    with MmapCachedDataset(cache_path, source, max_bytes=25 * row_bytes) as ds:
+        cacheable = ds.num_cacheable
+        assert 20 < cacheable < 40  # (the budget also pays for per-row state, so not exactly 25)
+        for i in (1, 5, 6, 7, 20):  # a few hits scattered among misses; the last samples are never cacheable
+            ds[i]
+        context = {"multiprocessing_context": "fork", "timeout": 120} if workers else {}
+        fast = list(ds.loader(batch_size=9, num_workers=workers, **context))
+        expected = DataLoader(source, batch_size=9)  # the source itself: what every batch must hold
+        _assert_same(fast, list(expected))
+        assert ds.num_cached == cacheable  # the misses of cacheable samples were stored, the others passed through
+        _assert_same(list(ds.loader(batch_size=9)), list(expected))  # and read back from the cache
+
+
+def test_getitems_equals_per_sample_reads(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Mixed(30, "nested")) as ds:
+        for i in range(0, 30, 3):
+            ds[i]  # some filled, the rest are misses inside the batch
+        indices = [29, 0, 3, 3, 14, 7, -1, 27]
+        batch = ds.__getitems__(indices)
+        assert len(batch) == len(indices)
+        for i, sample in zip(indices, batch):
+            assert sample_equal(_zero_d_as_1_d(sample), _zero_d_as_1_d(ds[i])), f"sample {i}"
+            assert sample_equal(_zero_d_as_1_d(sample), _zero_d_as_1_d(Mixed(30, "nested")[i % 30])), f"sample {i}"
+            assert sample[1]["count"].dim() == 0
+
+
+def test_held_batches_are_never_overwritten_by_recycled_buffers(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Mixed(64, "pair", shape=(3, 32, 32))) as ds:
+        ds.fill()
+        expected = list(DataLoader(ds, batch_size=8))
+        kept = [batch for batch in ds.loader(batch_size=8)]  # every batch held: none may be reused
+        _assert_same(kept, expected)
+        views = []
+        for k, batch in enumerate(ds.loader(batch_size=8)):  # hold only a view of one sample of each batch
+            views.append((k, batch[0][3]))
+        for k, view in views:
+            assert torch.equal(view, expected[k][0][3]), f"batch {k} was overwritten after it was handed out"
+        # Batches that were dropped are recycled: the same data comes out again, intact.
+        for _ in range(2):
+            _assert_same([[b[0].clone(), b[1].clone()] for b in ds.loader(batch_size=8)], expected)
+
+
+def test_large_batches_split_over_threads_copy_the_same_bytes(cache_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMAPCACHE_GATHER_THREADS", "3")
+    shape = (4, 128, 128)  # 64 KiB rows: a 48-row batch is 3 MiB, enough to be split
+    with MmapCachedDataset(cache_path, Mixed(96, "pair", shape=shape)) as ds:
+        ds.fill()
+        order = torch.randperm(96, generator=torch.Generator().manual_seed(1)).tolist()
+        batches = list(ds.loader(batch_size=48, sampler=order))
+        for k, batch in enumerate(batches):
+            for j, i in enumerate(order[48 * k: 48 * (k + 1)]):
+                assert torch.equal(batch[0][j], Mixed(96, "pair", shape=shape)[i][0]), f"row {j} of batch {k}"
+        samples = ds.__getitems__(order[:48])
+        assert all(torch.equal(s[0], Mixed(96, "pair", shape=shape)[i][0]) for s, i in zip(samples, order))
+    monkeypatch.setenv("MMAPCACHE_GATHER_THREADS", "many")
+    with MmapCachedDataset(cache_path) as ds, pytest.raises(ValueError, match="MMAPCACHE_GATHER_THREADS"):
+        list(ds.loader(batch_size=48))
+
+
+def test_array_batches_follow_batch_sampler_order(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Mixed(50, "pair")) as ds:
+        ds.fill()
+        for drop_last in (False, True):
+            fast = [b[1].tolist() for b in ds.loader(batch_size=16, shuffle=True, drop_last=drop_last,
+                                                      generator=torch.Generator().manual_seed(9))]
+            plain = [b[1].tolist() for b in DataLoader(ds, batch_size=16, shuffle=True, drop_last=drop_last,
+                                                       generator=torch.Generator().manual_seed(9))]
+            assert fast == plain and [len(b) for b in fast] == ([16] * 3 if drop_last else [16, 16, 16, 2])
+        labels = np.concatenate([b[1].numpy() for b in ds.loader(batch_size=16)])
+        assert np.array_equal(labels, np.arange(50) * 7 % 10)  # sequential: every index once, in order
+        unseeded = [b[1] for b in ds.loader(batch_size=16, shuffle=True)]
+        assert sum(len(b) for b in unseeded) == 50
