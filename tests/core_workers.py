@@ -211,3 +211,29 @@ def big_filler(path: str, n: int, mib: int) -> None:
     with MmapCachedDataset(path, Big(n, mib)) as ds:
         for i in order:
             ds[i]
+
+
+class Small(Dataset):
+    """Tiny samples, so that thousands of rows share few bitmap bytes and writers contend on each byte."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        return torch.tensor([index, -index], dtype=torch.int32), index % 3
+
+
+def interleaved_filler(path: str, n: int, k: int, workers: int, barrier: Any, queue: Any) -> None:
+    """Fills indices ``k, k + workers, ...``: every bitmap byte is written by every filler at about the same time."""
+    try:
+        ds = MmapCachedDataset(path, Small(n))
+        barrier.wait(timeout=60)
+        for i in range(k, n, workers):
+            ds[i]
+        ds.close()
+        queue.put(("ok", k))
+    except BaseException as exc:  # noqa: BLE001
+        queue.put(("error", k, repr(exc)))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from core_workers import Big, big_filler, concurrent_filler, read_all_by_path, slow_filler
+from core_workers import Big, Small, big_filler, concurrent_filler, interleaved_filler, read_all_by_path, slow_filler
 from mmapcache import MmapCachedDataset, SampleNotCachedError
 from sources import ImageLabels, sample_equal
 
@@ -239,3 +239,27 @@ def test_fork_child_uses_the_parents_open_cache(cache_path: str) -> None:
     assert ds.num_cached == 10 and all(sample_equal(ds[i], source[i]) for i in range(10))
     assert torch.equal(ds[3][0], source[3][0])
     ds.close()
+
+
+def test_fillers_of_interleaved_indices_lose_no_filled_bit(cache_path: str) -> None:
+    """Four fillers each take every fourth index, so all of them update the same bitmap bytes concurrently: a bit
+    set without the writer lock (read-modify-write of a shared byte) would be lost."""
+    n, workers = 65536, 4
+    MmapCachedDataset(cache_path, Small(n)).close()
+    ctx = multiprocessing.get_context("fork")
+    barrier, q = ctx.Barrier(workers), ctx.Queue()
+    procs = [ctx.Process(target=interleaved_filler, args=(cache_path, n, k, workers, barrier, q)) for k in range(workers)]
+    for proc in procs:
+        proc.start()
+    reports = [_get(q) for _ in procs]
+    for proc in procs:
+        _stop(proc)
+    assert all(r[0] == "ok" for r in reports), reports
+    bits = np.unpackbits(np.fromfile(os.path.join(cache_path, "filled.bits"), np.uint8), bitorder="little")
+    assert bits.sum() == n, f"{n - int(bits.sum())} filled bit(s) lost"
+    index = np.arange(n)
+    tensors = np.load(os.path.join(cache_path, "0.npy"), mmap_mode="r")
+    labels = np.load(os.path.join(cache_path, "1.npy"), mmap_mode="r")
+    assert np.array_equal(tensors, np.stack([index, -index], axis=1)) and np.array_equal(labels, index % 3)
+    with MmapCachedDataset(cache_path) as ds:
+        assert all(sample_equal(ds[i], Small(n)[i]) for i in range(0, n, 997))
