@@ -31,6 +31,22 @@ _BUFFERS_PER_KEY = 2
 _MAX_KEYS = 8
 
 
+def _free_count() -> int:
+    """What ``sys.getrefcount`` reports, in ``BufferPool.empty``'s loop, for an array only a list refers to.
+
+    Measured rather than assumed: interpreters differ in whether the call's own argument counts (3.14 skips some
+    reference count updates), and a wrong constant would hand out a batch someone still holds.
+    """
+    buffers = [np.empty(1)]
+    k = 0
+    return sys.getrefcount(buffers[k])  # the same expression as in the loop
+
+
+_FREE = _free_count()
+# Free-threaded builds count references per thread, so the count seen here may not be the whole truth: no reuse.
+_RECYCLE = getattr(sys, "_is_gil_enabled", lambda: True)()
+
+
 class BufferPool:
     """Uninitialised arrays, like ``numpy.empty``, recycled once no one else references them. Thread-safe."""
 
@@ -39,6 +55,8 @@ class BufferPool:
         self._buffers: dict[tuple[Any, ...], list[np.ndarray]] = {}
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if not _RECYCLE:
+            return np.empty(shape, dtype)
         key = (shape, dtype)
         with self._lock:
             buffers = self._buffers.get(key)
@@ -47,8 +65,8 @@ class BufferPool:
                     self._buffers.pop(next(iter(self._buffers)))
                 buffers = self._buffers[key] = []
             for k in range(len(buffers)):
-                # 2 references: the list's and getrefcount's argument. Anything more is a user of the old batch.
-                if sys.getrefcount(buffers[k]) == 2:
+                # Only the list's reference left (as counted the same way, see _FREE): no user of the old batch.
+                if sys.getrefcount(buffers[k]) == _FREE:
                     return buffers[k]
             out = np.empty(shape, dtype)
             if len(buffers) < _BUFFERS_PER_KEY:

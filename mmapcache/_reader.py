@@ -148,10 +148,16 @@ class RowReader:
         # The counter must be even *when the copy starts*: a writer that began between the filled check above and
         # this load leaves it odd for the whole copy, so "unchanged after the copy" alone would accept a torn row.
         readable &= (before & 1) == 0
+        count = int(np.count_nonzero(readable))
+        # Rows that cannot be read are filled by the caller anyway: a mostly cold batch copies only its hits.
+        hits = None if count * 2 >= n else np.flatnonzero(readable)
         columns = []
         for field, data in zip(self.fields, self.data):
             out = alloc((n, *field.shape), field.np_dtype)
-            take(data, safe_rows, out)
+            if hits is None:
+                take(data, safe_rows, out)
+            elif count:
+                out[hits] = data[safe_rows[hits]]
             columns.append(out)
         readable &= state.seq_np[safe_rows] == before
         return columns, np.flatnonzero(~readable).tolist()
