@@ -14,6 +14,7 @@ import fcntl
 import mmap
 import os
 import shutil
+import stat
 import weakref
 from typing import Any, Iterator, Sequence
 
@@ -79,16 +80,18 @@ class Store:
 
     def __init__(self, path: str, *, writable: bool | None = None) -> None:
         self.path = path
-        if not os.path.exists(path):
+        try:
+            st = os.stat(path)  # one stat: a cache removed between two checks must read as missing, not as a file
+        except FileNotFoundError:
             raise CacheNotFoundError(
                 f"no cache at {path}; create it by passing a source dataset (MmapCachedDataset(path, dataset)) or "
                 "with `mmapcache build PATH --dataset SPEC`"
-            )
-        if not os.path.isdir(path):
+            ) from None
+        if not stat.S_ISDIR(st.st_mode):
             raise CacheFormatError(f"{path} is a file, not a cache directory; pass a directory path or a bare name")
         # Which directory we map: attach() checks it is still the one at `path` (a delete_on_close cache can be
         # removed, and another created in its place, while this process opens it).
-        self._dir_id = _dir_id(path)
+        self._dir_id = (st.st_dev, st.st_ino)
         try:
             self.meta = fmt.read_meta(path)
         except CacheFormatError:
@@ -230,7 +233,10 @@ class Store:
         try:
             fd = os.open(users, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise CacheNotFoundError(_removed_message(self.path)) from None
+            if self.moved():
+                raise CacheNotFoundError(_removed_message(self.path)) from None
+            raise CacheFormatError(f"{users} is missing; the cache is damaged: remove it (`mmapcache rm --force "
+                                   f"{self.path}`) and build it again") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             held = os.fstat(fd)
@@ -246,27 +252,39 @@ class Store:
         self._users_fd, self._users_pid = fd, os.getpid()
 
     def detach(self, *, remove_if_last: bool = False) -> bool:
-        """Unregisters this process; returns True if it was the last user.
+        """Unregisters this process. With ``remove_if_last`` (the caller holds ``parent_lock(path)``), the last
+        user also removes the cache, while it holds ``users`` exclusively, so no process can attach in between
+        (see ``attach``). Returns whether it removed the cache. Safe across processes.
 
-        With ``remove_if_last`` the last user also removes the cache, while it still holds ``users`` exclusively,
-        so no process can attach in between (see ``attach``). The caller then holds ``parent_lock(path)``.
-        A process that inherited the store over ``fork`` is not a user of its own and never removes anything.
+        A process that inherited the store over ``fork`` is not a user of its own and never removes anything;
+        forked children (DataLoader workers) live under their parent's registration and leave with it.
         """
         if self._users_pid != os.getpid():
             return False  # inherited over fork: the descriptor's lock belongs to the parent
         fd, self._users_fd, self._users_pid = self._users_fd, -1, -1
         try:
-            try:
-                # Not atomic (the kernel drops our shared lock, then tries the exclusive one), which is what makes
-                # concurrent closers agree: exactly one of them finds no other lock left.
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-            if remove_if_last and not self.moved() and is_cache(self.path):
-                remove(self.path)
-            return True
+            # Unlock rather than convert to an exclusive lock: forked children share this open file description,
+            # so a converted lock would outlive us in them and block every later attach until they exit.
+            fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+        if not remove_if_last or self.moved():
+            return False
+        try:
+            probe = os.open(os.path.join(self.path, fmt.USERS), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # another user holds it
+            if self.moved() or not is_cache(self.path):
+                return False
+            remove(self.path)
+            return True
+        finally:
+            os.close(probe)
 
     def close(self) -> None:
         """Unmaps the cache in this process. Idempotent."""
