@@ -3,6 +3,7 @@ user closes it or exits, whatever the order, with users killed by SIGKILL, and w
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import multiprocessing
 import os
@@ -180,6 +181,29 @@ def test_dataloader_workers_do_not_count_or_remove(cache_path: str, context: str
     assert ds.num_cached == 16
     ds.close()
     assert not os.path.exists(cache_path)
+
+
+@pytest.mark.parametrize("delete", [False, True])
+def test_closing_while_persistent_forked_workers_live(cache_path: str, delete: bool) -> None:
+    # Forked workers share the parent's lock descriptor: closing must release it for them too, or the lock
+    # would outlive the parent's registration (and, converted to exclusive, block every later open).
+    ds = MmapCachedDataset(cache_path, ImageLabels(16), delete_on_close=delete)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True, multiprocessing_context="fork",
+                        timeout=TIMEOUT)
+    assert len(list(loader)) == 4  # the workers stay alive (persistent) past this point
+    ds.close()
+    if delete:
+        assert not os.path.exists(cache_path), "forked workers must not count as users"
+    else:
+        assert _store.users_of(cache_path) == []
+        fd = os.open(os.path.join(cache_path, "users"), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # BlockingIOError: a lock lingers in the workers
+        finally:
+            os.close(fd)
+        with MmapCachedDataset(cache_path) as again:
+            assert again.num_cached == 16
+    del loader
 
 
 def test_opening_a_cache_removed_meanwhile_is_a_clear_error(cache_path: str) -> None:
