@@ -184,8 +184,6 @@ def test_missing_file(filled_cache: str, name: str) -> None:
     _open_fails(filled_cache, rf"{name} is missing")
 
 
-@pytest.mark.xfail(strict=True, reason="Store.attach reports a missing users file as 'the cache was removed while "
-                   "this process was opening it' (CacheNotFoundError): misleading for a damaged cache still in place")
 def test_missing_users_file(filled_cache: str) -> None:
     os.unlink(_file(filled_cache, "users"))
     _open_fails(filled_cache, r"users is missing")
