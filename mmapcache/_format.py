@@ -192,8 +192,6 @@ def _check_meta(meta: dict[str, Any]) -> None:
     layout = Layout.from_json(meta)
     if len(layout.fields) != len(meta["fields"]) or not layout.fields:
         raise ValueError("no fields")
-    for field in meta["fields"]:
-        for key in ("file", "shape_file"):
     for field in layout.fields:
         # Readers rebuild samples from these: an unknown kind or an object dtype would fail later, mid-read.
         if field.kind not in KINDS or field.np_dtype.hasobject or any(d < 0 for d in field.shape):
@@ -202,6 +200,8 @@ def _check_meta(meta: dict[str, Any]) -> None:
     leaves = _structure_leaves(meta["structure"])
     if sorted(leaves) != list(range(len(layout.fields))):
         raise ValueError(f"the structure's leaves {sorted(leaves)} do not match the {len(layout.fields)} fields")
+    for field in meta["fields"]:
+        for key in ("file", "shape_file"):
             name = field[key]
             if name is not None and (not isinstance(name, str) or "/" in name or name.startswith(".")):
                 raise ValueError(f"field {field['name']!r}: bad file name {name!r}")
