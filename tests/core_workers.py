@@ -173,8 +173,18 @@ def read_all_by_path(path: str, n: int, queue: Any) -> None:
         queue.put(("error", repr(exc)))
 
 
+def _forked_child_setup() -> None:
+    """First thing in a forked child: torch's intra-op thread pool does not survive fork (a child entering a
+    parallel region can wedge: pytorch issues 17199, 2245), so use one thread, as DataLoader workers do.
+
+    (Not ``faulthandler.dump_traceback_later`` here: pytest's ``faulthandler_timeout`` watchdog thread holds
+    faulthandler's lock in the parent, and a forked child calling it waits on that lock forever.)"""
+    torch.set_num_threads(1)
+
+
 def concurrent_filler(path: str, n: int, seed: int, barrier: Any, queue: Any, rounds: int) -> None:
     """Fills and reads overlapping indices in its own random order; reports any sample that differs."""
+    _forked_child_setup()
     try:
         source = ImageLabels(n, shape=(64, 1024))
         barrier.wait(timeout=60)
@@ -228,6 +238,7 @@ class Small(Dataset):
 
 def interleaved_filler(path: str, n: int, k: int, workers: int, barrier: Any, queue: Any) -> None:
     """Fills indices ``k, k + workers, ...``: every bitmap byte is written by every filler at about the same time."""
+    _forked_child_setup()
     try:
         ds = MmapCachedDataset(path, Small(n))
         barrier.wait(timeout=60)

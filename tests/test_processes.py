@@ -39,6 +39,22 @@ def _stop(proc: Any) -> None:
         pytest.fail(f"child process {proc.pid} did not finish in time")
 
 
+def _run_all(procs: list[Any], q: Any) -> list[Any]:
+    """Starts the children and collects one report from each; kills any still running if that fails."""
+    try:
+        for proc in procs:
+            proc.start()
+        reports = [_get(q) for _ in procs]
+        for proc in procs:
+            _stop(proc)
+        return reports
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+
+
 def _seq(path: str) -> np.ndarray:
     """The seqlock counters, read from the raw file (a copy)."""
     return np.fromfile(os.path.join(path, "seq.u32"), dtype="<u4")
@@ -117,11 +133,7 @@ def test_concurrent_fillers_store_every_sample_intact(cache_path: str) -> None:
     ctx = multiprocessing.get_context("fork")  # fork starts in milliseconds, so the fillers really overlap
     barrier, q = ctx.Barrier(workers), ctx.Queue()
     procs = [ctx.Process(target=concurrent_filler, args=(cache_path, n, seed, barrier, q, 2)) for seed in range(workers)]
-    for proc in procs:
-        proc.start()
-    reports = [_get(q) for _ in procs]
-    for proc in procs:
-        _stop(proc)
+    reports = _run_all(procs, q)
     assert all(r[0] == "ok" for r in reports), reports
     assert all(r[2] == [] for r in reports), f"torn or wrong samples seen by fillers: {reports}"
     bits = np.unpackbits(np.fromfile(os.path.join(cache_path, "filled.bits"), np.uint8), bitorder="little")
@@ -249,11 +261,7 @@ def test_fillers_of_interleaved_indices_lose_no_filled_bit(cache_path: str) -> N
     ctx = multiprocessing.get_context("fork")
     barrier, q = ctx.Barrier(workers), ctx.Queue()
     procs = [ctx.Process(target=interleaved_filler, args=(cache_path, n, k, workers, barrier, q)) for k in range(workers)]
-    for proc in procs:
-        proc.start()
-    reports = [_get(q) for _ in procs]
-    for proc in procs:
-        _stop(proc)
+    reports = _run_all(procs, q)
     assert all(r[0] == "ok" for r in reports), reports
     bits = np.unpackbits(np.fromfile(os.path.join(cache_path, "filled.bits"), np.uint8), bitorder="little")
     assert bits.sum() == n, f"{n - int(bits.sum())} filled bit(s) lost"
