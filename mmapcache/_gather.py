@@ -7,8 +7,8 @@ Two costs dominate a warm batch besides the copy itself, and this module removes
   again once nothing references it any more (its reference count says so: every numpy view and every tensor made
   by ``torch.from_numpy``, including views of that tensor, holds a reference to it). A batch the caller still
   holds is never reused.
-* One thread. ``numpy.take`` releases the GIL while it copies, so a large gather split into row ranges runs on
-  several cores at once (``take``).
+* One thread (opt-in, ``MMAPCACHE_GATHER_THREADS=N``). ``numpy.take`` releases the GIL while it copies, so a
+  large gather split into row ranges can run on several cores at once (``take``).
 """
 
 from __future__ import annotations
@@ -98,19 +98,20 @@ os.register_at_fork(after_in_child=_forget_executor)
 
 
 def _threads() -> int:
-    """Threads per large gather: ``$MMAPCACHE_GATHER_THREADS`` if set (1 turns splitting off), else the usable
-    cores, at most 4."""
+    """Threads per large gather: ``$MMAPCACHE_GATHER_THREADS``, default 1 (no splitting).
+
+    Opt-in because it did not pay on the machine we measure on (2 vCPUs): a single ``numpy.take`` of a shuffled
+    batch is limited by per-row work, not by copy bandwidth, and a second thread on the sibling vCPU slowed
+    ``ds.loader()`` by ~10% (``tools/bench.py``). On machines with many physical cores, try 2-4.
+    """
     setting = os.environ.get("MMAPCACHE_GATHER_THREADS", "")
-    if setting:
-        try:
-            return max(1, int(setting))
-        except ValueError:
-            raise ValueError(f"MMAPCACHE_GATHER_THREADS must be a positive integer, got {setting!r}") from None
+    if not setting:
+        return 1
     try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(_MAX_THREADS, cores))
+        threads = int(setting)
+    except ValueError:
+        raise ValueError(f"MMAPCACHE_GATHER_THREADS must be a positive integer, got {setting!r}") from None
+    return max(1, min(_MAX_THREADS, threads))
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -139,7 +140,7 @@ def take(data: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: int | Non
         data: the source rows (a memory map).
         rows: row numbers, any order.
         out: the destination, ``(len(rows), *data.shape[1:])``.
-        threads: at most this many threads (default: the usable cores, up to 4; 1 in DataLoader workers).
+        threads: at most this many threads (default: ``$MMAPCACHE_GATHER_THREADS`` or 1; 1 in DataLoader workers).
     """
     n = len(rows)
     if threads is None:
