@@ -462,6 +462,11 @@ class MmapCachedDataset(Dataset):
         idx, rows = idx[keep], rows[keep]
         state = reader.state
         todo = ~state.filled_rows(rows) | state.stale_rows(rows) if len(rows) else np.zeros(0, bool)
+        if self.dataset is None and todo.any():
+            raise SampleNotCachedError(
+                f"fill() needs the source dataset: {int(todo.sum())} sample(s) of the cache at {self.path} are unfilled "
+                f"or stale (first: {int(idx[todo][0])}); open it with MmapCachedDataset(path, dataset)"
+            )
         stored = 0
         for i, row in zip(idx[todo].tolist(), rows[todo].tolist()):
             if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1:  # re-check: others fill too
