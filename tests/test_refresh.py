@@ -24,7 +24,7 @@ from feature_workers import (
     versioned_sample,
     wait_for,
 )
-from mmapcache import MmapCachedDataset
+from mmapcache import MmapCachedDataset, SampleNotCachedError
 from sources import sample_equal
 
 SHAPE = (3, 64, 64)
@@ -229,3 +229,15 @@ def test_versioned_sample_detects_mixed_versions() -> None:
     assert not check_versioned((mixed, 3, 10), 3)
     assert not check_versioned((b[0], 3, 10), 3)  # header and version field disagree
     assert not check_versioned(a, 4)
+
+
+def test_fill_without_a_source_says_it_needs_one(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, RandomAugment(6)) as ds:
+        ds.fill(range(3))
+    with MmapCachedDataset(cache_path) as ds:
+        assert ds.fill(range(3)) == 0  # nothing to do: no source needed
+        with pytest.raises(SampleNotCachedError, match=r"fill\(\) needs the source dataset: 3 sample\(s\) .* \(first: 3\)"):
+            ds.fill()
+        ds.refresh(indices=[1])
+        with pytest.raises(SampleNotCachedError, match=r"\(first: 1\)"):
+            ds.fill(range(3))
