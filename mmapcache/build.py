@@ -431,7 +431,7 @@ class _Driver:
             report.skipped += result["skipped"]
         report.bytes += result["filled"] * self.row_bytes
         variants = self.store.variants
-        lookup = self.store.slot_lookup()
+        lookup = self.store.slot_lookup() if result["failed"] else None  # an array of N: only when needed
         for index, variant, error in result["failed"]:
             report.failed.append(Failure(index, variant, error))
             slot = index if lookup is None else int(lookup[index])
