@@ -180,6 +180,13 @@ class SlotState:
         with self.lock:
             return self._publish_locked(row, write, replace)
 
+    def publish_many(self, items: list[tuple[int, Callable[[], None]]]) -> int:
+        """``publish`` for several rows under one acquisition of the lock (a batch's misses). Returns how many
+        this call stored. Safe across processes and threads."""
+        self._require_writable()
+        with self.lock:
+            return sum(self._publish_locked(row, write, False) for row, write in items)
+
     def _publish_locked(self, row: int, write: Callable[[], None], replace: bool) -> bool:
         """Caller holds the writer lock."""
         byte, mask = row >> 3, 1 << (row & 7)

@@ -16,7 +16,7 @@ import os
 import shutil
 import stat
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -396,8 +396,12 @@ def create(
     fingerprint: str | None,
     delete_on_close: bool,
     library_version: str,
+    prepare: Callable[[str], None] | None = None,
 ) -> None:
     """Creates a cache at ``path`` atomically. The caller holds ``parent_lock(path)`` and checked it is absent.
+
+    ``prepare(tmp)``, if given, runs on the complete cache under its temporary name just before the rename (the
+    creator stores its first sample there, so no opener ever sees that sample missing and computes it again).
 
     Raises:
         InsufficientSpaceError: not enough room; nothing is left behind.
@@ -437,6 +441,8 @@ def create(
                            (fmt.LOCK, 0), (fmt.USERS, 0)):
             _reserve(os.path.join(tmp, name), size)
         fmt.write_meta(tmp, meta)  # last: a directory with meta.json is a complete cache
+        if prepare is not None:
+            prepare(tmp)
         os.rename(tmp, path)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)

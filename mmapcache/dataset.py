@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import warnings
@@ -105,7 +106,7 @@ class MmapCachedDataset(Dataset):
             self._source_length = _source_length(dataset)
         for attempt in range(_OPEN_ATTEMPTS):
             try:
-                store, created = self._open_or_create(options, overwrite)
+                store = self._open_or_create(options, overwrite)
                 try:
                     self._bind(store)
                 except CacheNotFoundError:
@@ -116,24 +117,19 @@ class MmapCachedDataset(Dataset):
                 # Its last delete_on_close user removed it while we opened it: with a source, make a new one.
                 if self.dataset is None or attempt == _OPEN_ATTEMPTS - 1:
                     raise
-        if created is not None:  # the sample computed to learn the layout is the first one stored
-            index, sample = created
-            row = self._row(index, self._epoch)
-            if row >= 0:
-                self._publish(index, row, sample)
 
     # --- opening -----------------------------------------------------------------------------------------------
 
-    def _open_or_create(self, options: _CreateOptions, overwrite: bool) -> tuple[Store, tuple[int, Any] | None]:
-        """Opens the cache, or creates it from a first sample; returns the store and, if created, that sample."""
+    def _open_or_create(self, options: _CreateOptions, overwrite: bool) -> Store:
+        """Opens the cache, or creates it with the sample computed to learn the layout already stored."""
         if os.path.exists(self.path) or self.dataset is None:
             store = Store(self.path)
             if self.dataset is None:
-                return store, None
+                return store
             probe = self._probe(options)
             problem = self._mismatch(store, options, probe)
             if problem is None:
-                return store, None
+                return store
             store.close()
             if not overwrite:
                 raise CacheMismatchError(
@@ -151,7 +147,7 @@ class MmapCachedDataset(Dataset):
                 problem = self._mismatch(store, options, probe)
                 if problem is None:
                     store.attach()  # under the lock, for the same reason as below
-                    return store, None
+                    return store
                 store.close()
                 if not overwrite:
                     raise CacheMismatchError(
@@ -163,11 +159,25 @@ class MmapCachedDataset(Dataset):
                 self.path, layout, length=self._source_length, slots=slots, variants=variants,
                 slot_index=slot_index, fingerprint=self.fingerprint, delete_on_close=self.delete_on_close,
                 library_version=_version(),
+                prepare=functools.partial(self._store_first, first_index, first_sample),
             )
             # Attach before releasing the lock: a sweep by another creator would see an unused delete_on_close cache.
             store = Store(self.path)
             store.attach()
-        return store, (first_index, first_sample)
+        return store
+
+    def _store_first(self, index: int, sample: Any, directory: str) -> None:
+        """Stores the layout probe in a cache still under its temporary name (see ``_store.create``)."""
+        store = Store(directory, writable=True)
+        try:
+            reader = RowReader(store, recompute_stale=True)
+            values = self._checked(index, sample, reader)
+            # The probe's index is the first cacheable one, so it lives in slot 0; its variant is epoch 0's.
+            k = store.variants
+            row = 0 if k == 1 or self.variant_choice == "epoch" else _mix(self.seed, 0, index) % k
+            store.state.publish(row, lambda: reader.write(row, values))
+        finally:
+            store.close()
 
     def _probe(self, options: _CreateOptions) -> tuple[Layout, int, Any]:
         """Computes one sample to learn (or check) the layout."""
@@ -332,11 +342,33 @@ class MmapCachedDataset(Dataset):
         reader = self._ensure_open()
         rows = self._rows(idx, epoch)
         columns, missing = reader.gather(rows, alloc)
-        for k in missing:
-            values = self._values(int(idx[k]), int(rows[k]))
-            for column, value in zip(columns, values):
-                column[k] = value
+        computed: list[tuple[int, list[Any]]] = []
+        try:
+            for k in missing:
+                index, row = int(idx[k]), int(rows[k])
+                values = reader.read_values(row) if row >= 0 else None  # rewritten during the gather: read again
+                if values is None:
+                    if self.dataset is None:
+                        self._miss(index, row)  # raises SampleNotCachedError
+                    values = self._checked(index, self._fetch(index))
+                    if row >= 0:
+                        computed.append((row, values))
+                for column, value in zip(columns, values):
+                    column[k] = value
+        finally:
+            # One lock acquisition for the whole batch; samples computed before a failing one are kept.
+            if computed:
+                self._publish_rows(computed)
         return columns
+
+    def _publish_rows(self, computed: list[tuple[int, list[Any]]]) -> None:
+        if not self._store.writable:
+            _warn_read_only(self.path)
+            return
+        reader = self._ensure_open()
+        self._store.state.publish_many(
+            [(row, functools.partial(reader.write, row, values)) for row, values in computed]
+        )
 
     # --- misses ------------------------------------------------------------------------------------------------
 
@@ -359,24 +391,11 @@ class MmapCachedDataset(Dataset):
             self._publish(index, row, sample)
         return sample
 
-    def _values(self, index: int, row: int) -> list[np.ndarray]:
-        """The flattened values of one sample, read from its row or computed (and stored)."""
-        reader = self._ensure_open()
-        if row >= 0:
-            values = reader.read_values(row)
-            if values is not None:
-                return values
-        if self.dataset is None:
-            self._miss(index, row)  # raises SampleNotCachedError
-        sample = self._fetch(index)
-        if row >= 0:
-            return self._publish(index, row, sample)
-        return self._checked(index, sample)
-
-    def _checked(self, index: int, sample: Any) -> list[Any]:
-        values = self._reader.check(sample, index)
+    def _checked(self, index: int, sample: Any, reader: RowReader | None = None) -> list[Any]:
+        reader = reader or self._reader
+        values = reader.check(sample, index)
         if self.check_finite:
-            for field, value in zip(self._store.layout.fields, values):
+            for field, value in zip(reader.fields, values):
                 if np.asarray(value).dtype.kind in "fc" and not np.isfinite(value).all():
                     raise ValueError(f"sample {index}, field {field.name!r}: contains NaN or infinite values "
                                      "(check_finite=True); nothing was stored for it")
