@@ -425,7 +425,10 @@ class Bench:
         text = markdown(result)
         with open(os.path.join(out_dir, "results.md"), "w") as f:
             f.write(text)
-        plot(result, os.path.join(out_dir, "results.png"))
+        try:
+            plot(result, os.path.join(out_dir, "results.png"))
+        except ImportError:  # the plot is the only part needing matplotlib (the `bench` extra); numbers still count
+            print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
         print()
         print(text)
         return result
