@@ -46,6 +46,13 @@ class SlowFeatures(Dataset):
         return features, label
 
 
+def say(line: str) -> None:
+    """Prints one line in one write: ranks share stdout, and print() writes the text and the newline separately
+    (two system calls when output is unbuffered), so lines of two ranks could run together."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def setup_distributed() -> tuple[int, int, torch.device]:
     """Initialises the process group from torchrun's (or SLURM's) environment; returns rank, world, device."""
     env = os.environ
@@ -89,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     stored = ds.prefill()  # this node's ranks fill disjoint shares; returns after a barrier
-    print(f"rank {rank}/{world}: prefill stored {stored} samples in {time.perf_counter() - start:.2f} s; "
-          f"{ds.num_cached}/{len(ds)} cached at {ds.path}", flush=True)
+    say(f"rank {rank}/{world}: prefill stored {stored} samples in {time.perf_counter() - start:.2f} s; "
+        f"{ds.num_cached}/{len(ds)} cached at {ds.path}")
 
     sampler = DistributedSampler(ds, shuffle=True, seed=0)
     loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         mean = torch.tensor([sum(losses) / max(1, len(losses))], device=device)
         dist.all_reduce(mean)
         if rank == 0:
-            print(f"epoch {epoch}: mean loss over {world} ranks {mean.item() / world:.4f}", flush=True)
+            say(f"epoch {epoch}: mean loss over {world} ranks {mean.item() / world:.4f}")
     del loader
     dist.barrier()  # everyone is done reading before the last one out may remove a per-job cache
     ds.close()
