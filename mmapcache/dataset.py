@@ -15,16 +15,15 @@ from torch.utils.data import Dataset
 
 from . import _store
 from ._layout import Layout
+from ._options import STALE_MODES, VARIANT_CHOICES, CreateOptions, check_bool, check_choice, \
+    check_optional_str, mix, mix_array, source_length
 from ._reader import RowReader
-from ._sizes import parse_size
 from ._store import Store, parent_lock, resolve_path
 from .errors import CacheMismatchError, CacheNotFoundError, LayoutError, SampleNotCachedError
 
 __all__ = ["MmapCachedDataset"]
 
-_STALE_MODES = ("recompute", "serve")
 _OPEN_ATTEMPTS = 3
-_VARIANT_CHOICES = ("epoch", "random")
 
 
 class MmapCachedDataset(Dataset):
@@ -87,23 +86,23 @@ class MmapCachedDataset(Dataset):
         self.path = resolve_path(path)
         self.dataset = dataset
         self.transform = transform
-        self.fingerprint = _check_optional_str(fingerprint, "fingerprint")
-        self.stale = _check_choice(stale, "stale", _STALE_MODES)
-        self.variant_choice = _check_choice(variant_choice, "variant_choice", _VARIANT_CHOICES)
+        self.fingerprint = check_optional_str(fingerprint, "fingerprint")
+        self.stale = check_choice(stale, "stale", STALE_MODES)
+        self.variant_choice = check_choice(variant_choice, "variant_choice", VARIANT_CHOICES)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} ({seed!r})")
         self.seed = int(seed)
         # A truthy string like "no" must not mean yes: overwrite=True replaces someone's cache.
-        overwrite = _check_bool(overwrite, "overwrite")
-        self.delete_on_close = _check_bool(delete_on_close, "delete_on_close")
-        self.check_finite = _check_bool(check_finite, "check_finite")
+        overwrite = check_bool(overwrite, "overwrite")
+        self.delete_on_close = check_bool(delete_on_close, "delete_on_close")
+        self.check_finite = check_bool(check_finite, "check_finite")
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
         self._epoch = 0
         self._reader: RowReader | None = None
-        options = _CreateOptions(max_bytes, cache_indices, variants, max_shapes)
+        options = CreateOptions(max_bytes, cache_indices, variants, max_shapes)
         if dataset is not None:
-            self._source_length = _source_length(dataset)
+            self._source_length = source_length(dataset)
         for attempt in range(_OPEN_ATTEMPTS):
             try:
                 store = self._open_or_create(options, overwrite)
@@ -120,7 +119,7 @@ class MmapCachedDataset(Dataset):
 
     # --- opening -----------------------------------------------------------------------------------------------
 
-    def _open_or_create(self, options: _CreateOptions, overwrite: bool) -> Store:
+    def _open_or_create(self, options: CreateOptions, overwrite: bool) -> Store:
         """Opens the cache, or creates it with the sample computed to learn the layout already stored."""
         if os.path.exists(self.path) or self.dataset is None:
             store = Store(self.path)
@@ -174,12 +173,12 @@ class MmapCachedDataset(Dataset):
             values = self._checked(index, sample, reader)
             # The probe's index is the first cacheable one, so it lives in slot 0; its variant is epoch 0's.
             k = store.variants
-            row = 0 if k == 1 or self.variant_choice == "epoch" else _mix(self.seed, 0, index) % k
+            row = 0 if k == 1 or self.variant_choice == "epoch" else mix(self.seed, 0, index) % k
             store.state.publish(row, lambda: reader.write(row, values))
         finally:
             store.close()
 
-    def _probe(self, options: _CreateOptions) -> tuple[Layout, int, Any]:
+    def _probe(self, options: CreateOptions) -> tuple[Layout, int, Any]:
         """Computes one sample to learn (or check) the layout."""
         first = int(options.cache_indices[0]) if options.cache_indices is not None and len(options.cache_indices) else 0
         sample = self._fetch(first)
@@ -188,7 +187,7 @@ class MmapCachedDataset(Dataset):
         except LayoutError as exc:
             raise LayoutError(f"sample {first}: {exc}") from None
 
-    def _mismatch(self, store: Store, options: _CreateOptions, probe: tuple[Layout, int, Any]) -> str | None:
+    def _mismatch(self, store: Store, options: CreateOptions, probe: tuple[Layout, int, Any]) -> str | None:
         meta = store.meta
         if meta["length"] != self._source_length:
             return f"length {meta['length']} in the cache, {self._source_length} in the dataset"
@@ -284,7 +283,7 @@ class MmapCachedDataset(Dataset):
             return slot
         if self.variant_choice == "epoch":
             return slot * self._variants + epoch % self._variants
-        return slot * self._variants + _mix(self.seed, epoch, index) % self._variants
+        return slot * self._variants + mix(self.seed, epoch, index) % self._variants
 
     def __getitem__(self, index: int) -> Any:
         reader = self._reader  # kept across fork: the maps are shared, the lock reopens itself
@@ -334,7 +333,7 @@ class MmapCachedDataset(Dataset):
         if self.variant_choice == "epoch":
             variant = np.full(len(idx), epoch % k, dtype=np.int64)
         else:
-            variant = (_mix_array(self.seed, epoch, idx) % np.uint64(k)).astype(np.int64)
+            variant = (mix_array(self.seed, epoch, idx) % np.uint64(k)).astype(np.int64)
         return np.where(slots >= 0, slots * k + variant, -1)
 
     def _gather(self, idx: np.ndarray, epoch: int, alloc: Callable[..., np.ndarray] = np.empty) -> list[np.ndarray]:
@@ -544,113 +543,6 @@ def _close_store(store: Store, delete_on_close: bool) -> None:
             store.detach(remove_if_last=True)
     else:
         store.detach()
-
-
-class _CreateOptions:
-    """Validated creation options (those that only matter when a cache is created or compared)."""
-
-    def __init__(self, max_bytes: Any, cache_indices: Any, variants: Any, max_shapes: Any) -> None:
-        self.max_bytes = None if max_bytes is None else parse_size(max_bytes, "max_bytes")
-        if variants is not None:
-            if isinstance(variants, bool) or not isinstance(variants, (int, np.integer)) or variants < 1:
-                raise ValueError(f"variants must be an integer >= 1, got {variants!r}")
-            variants = int(variants)
-        self.variants = variants
-        if cache_indices is not None:
-            cache_indices = np.asarray(cache_indices)
-            if cache_indices.ndim != 1 or (cache_indices.size and cache_indices.dtype.kind not in "iu"):
-                raise TypeError("cache_indices must be a 1-D sequence of integers")
-            cache_indices = cache_indices.astype(np.int64)
-            if len(np.unique(cache_indices)) != len(cache_indices):
-                raise ValueError("cache_indices contains duplicates; list each index once")
-            if len(cache_indices) == 0:
-                raise ValueError("cache_indices is empty; pass None to cache every sample")
-        self.cache_indices = cache_indices
-        if max_shapes is not None:
-            if not isinstance(max_shapes, Mapping):
-                raise TypeError(f"max_shapes must be a dict of field path -> shape, got {type(max_shapes).__name__}")
-            for name, shape in max_shapes.items():
-                if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or not all(
-                        isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
-                    raise ValueError(f"max_shapes[{name!r}] must be a tuple of non-negative ints, got {shape!r}")
-            max_shapes = {name: tuple(int(d) for d in shape) for name, shape in max_shapes.items()}
-        self.max_shapes = max_shapes
-
-    def plan(self, layout: Layout, length: int, default_variants: int = 1) -> tuple[int, np.ndarray | None, int]:
-        """Slots, slot index and variants of a new cache (or of the cache these options describe)."""
-        variants = self.variants or default_variants
-        index = self.cache_indices
-        if index is not None and (index.min() < 0 or index.max() >= length):
-            raise IndexError(f"cache_indices has values outside [0, {length}), the dataset's index range")
-        slots = length if index is None else len(index)
-        if self.max_bytes is not None:
-            # max_bytes bounds the whole cache as _store.plan_bytes counts it (data, shapes, counters, bitmaps,
-            # slot index), so a size suggested by InsufficientSpaceError really fits.
-            has_index = index is not None
-            per_sample = max(1, _store.plan_bytes(layout, 8 * variants, 8 if has_index else 0) // 8)  # bitmap bits shared
-            fit = self.max_bytes // per_sample
-            while fit and _store.plan_bytes(layout, fit * variants, fit if has_index else 0) > self.max_bytes:
-                fit -= 1
-            if fit == 0:
-                raise ValueError(f"max_bytes={self.max_bytes} is smaller than one sample ({per_sample} bytes with "
-                                 f"{variants} variant(s)); raise it")
-            slots = min(slots, fit)
-        if index is not None:
-            index = index[:slots]
-        return slots, index, variants
-
-
-def _source_length(dataset: Any) -> int:
-    try:
-        n = len(dataset)
-    except TypeError:
-        raise TypeError(
-            f"the dataset ({type(dataset).__name__}) has no __len__; MmapCachedDataset wraps map-style datasets "
-            "(__len__ and __getitem__); for an iterable dataset, materialise it into a list first"
-        ) from None
-    if n == 0:
-        raise ValueError(f"the dataset ({type(dataset).__name__}) is empty; there is nothing to cache")
-    if not hasattr(dataset, "__getitem__"):
-        raise TypeError(f"the dataset ({type(dataset).__name__}) has no __getitem__; it must be map-style")
-    return n
-
-
-def _check_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r})")
-    return bool(value)
-
-
-def _check_optional_str(value: Any, name: str) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
-    return value
-
-
-def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-    return value
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix(seed: int, epoch: int, index: int) -> int:
-    """splitmix64 of (seed, epoch, index): a cheap, well-spread per-sample variant choice."""
-    z = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _mix_array(seed: int, epoch: int, idx: np.ndarray) -> np.ndarray:
-    """``_mix`` over an array of indices (uint64 arithmetic wraps like the masked Python version)."""
-    base = np.uint64((seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9) & _MASK64)
-    z = base + idx.astype(np.uint64) * np.uint64(0x94D049BB133111EB)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
 
 
 _warned_read_only: set[str] = set()

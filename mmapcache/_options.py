@@ -1,0 +1,121 @@
+"""Validating ``MmapCachedDataset``'s arguments and planning a new cache's slots; the variant hash."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import _store
+from ._layout import Layout
+from ._sizes import parse_size
+
+STALE_MODES = ("recompute", "serve")
+VARIANT_CHOICES = ("epoch", "random")
+
+
+class CreateOptions:
+    """Validated creation options (those that only matter when a cache is created or compared)."""
+
+    def __init__(self, max_bytes: Any, cache_indices: Any, variants: Any, max_shapes: Any) -> None:
+        self.max_bytes = None if max_bytes is None else parse_size(max_bytes, "max_bytes")
+        if variants is not None:
+            if isinstance(variants, bool) or not isinstance(variants, (int, np.integer)) or variants < 1:
+                raise ValueError(f"variants must be an integer >= 1, got {variants!r}")
+            variants = int(variants)
+        self.variants = variants
+        if cache_indices is not None:
+            cache_indices = np.asarray(cache_indices)
+            if cache_indices.ndim != 1 or (cache_indices.size and cache_indices.dtype.kind not in "iu"):
+                raise TypeError("cache_indices must be a 1-D sequence of integers")
+            cache_indices = cache_indices.astype(np.int64)
+            if len(np.unique(cache_indices)) != len(cache_indices):
+                raise ValueError("cache_indices contains duplicates; list each index once")
+            if len(cache_indices) == 0:
+                raise ValueError("cache_indices is empty; pass None to cache every sample")
+        self.cache_indices = cache_indices
+        if max_shapes is not None:
+            if not isinstance(max_shapes, Mapping):
+                raise TypeError(f"max_shapes must be a dict of field path -> shape, got {type(max_shapes).__name__}")
+            for name, shape in max_shapes.items():
+                if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or not all(
+                        isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
+                    raise ValueError(f"max_shapes[{name!r}] must be a tuple of non-negative ints, got {shape!r}")
+            max_shapes = {name: tuple(int(d) for d in shape) for name, shape in max_shapes.items()}
+        self.max_shapes = max_shapes
+
+    def plan(self, layout: Layout, length: int, default_variants: int = 1) -> tuple[int, np.ndarray | None, int]:
+        """Slots, slot index and variants of a new cache (or of the cache these options describe)."""
+        variants = self.variants or default_variants
+        index = self.cache_indices
+        if index is not None and (index.min() < 0 or index.max() >= length):
+            raise IndexError(f"cache_indices has values outside [0, {length}), the dataset's index range")
+        slots = length if index is None else len(index)
+        if self.max_bytes is not None:
+            # max_bytes bounds the whole cache as _store.plan_bytes counts it (data, shapes, counters, bitmaps,
+            # slot index), so a size suggested by InsufficientSpaceError really fits.
+            has_index = index is not None
+            per_sample = max(1, _store.plan_bytes(layout, 8 * variants, 8 if has_index else 0) // 8)  # bitmap bits shared
+            fit = self.max_bytes // per_sample
+            while fit and _store.plan_bytes(layout, fit * variants, fit if has_index else 0) > self.max_bytes:
+                fit -= 1
+            if fit == 0:
+                raise ValueError(f"max_bytes={self.max_bytes} is smaller than one sample ({per_sample} bytes with "
+                                 f"{variants} variant(s)); raise it")
+            slots = min(slots, fit)
+        if index is not None:
+            index = index[:slots]
+        return slots, index, variants
+
+
+def source_length(dataset: Any) -> int:
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise TypeError(
+            f"the dataset ({type(dataset).__name__}) has no __len__; MmapCachedDataset wraps map-style datasets "
+            "(__len__ and __getitem__); for an iterable dataset, materialise it into a list first"
+        ) from None
+    if n == 0:
+        raise ValueError(f"the dataset ({type(dataset).__name__}) is empty; there is nothing to cache")
+    if not hasattr(dataset, "__getitem__"):
+        raise TypeError(f"the dataset ({type(dataset).__name__}) has no __getitem__; it must be map-style")
+    return n
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r})")
+    return bool(value)
+
+
+def check_optional_str(value: Any, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
+    return value
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix(seed: int, epoch: int, index: int) -> int:
+    """splitmix64 of (seed, epoch, index): a cheap, well-spread per-sample variant choice."""
+    z = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def mix_array(seed: int, epoch: int, idx: np.ndarray) -> np.ndarray:
+    """``mix`` over an array of indices (uint64 arithmetic wraps like the masked Python version)."""
+    base = np.uint64((seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9) & _MASK64)
+    z = base + idx.astype(np.uint64) * np.uint64(0x94D049BB133111EB)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
