@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-from typing import Any
 
 import numpy as np
 import torch

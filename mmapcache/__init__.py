@@ -5,33 +5,56 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .errors import (
+    BuildWorkerDiedError,
     CacheFormatError,
+    CacheInUseError,
     CacheMismatchError,
     CacheNotFoundError,
     CacheReadOnlyError,
+    CacheReadOnlyWarning,
     InsufficientSpaceError,
     LayoutError,
     MmapCacheError,
     SampleNotCachedError,
+    SpecError,
+    UnsupportedFileSystemError,
+    UsageError,
 )
 
 __all__ = [
     "__version__",
     "MmapCachedDataset",
-    "CacheReadOnlyWarning",
+    "build",
+    "BuildReport",
+    "verify",
+    "VerifyResult",
+    "describe",
     "MmapCacheError",
     "CacheNotFoundError",
     "CacheFormatError",
     "CacheMismatchError",
     "CacheReadOnlyError",
+    "CacheInUseError",
     "InsufficientSpaceError",
     "LayoutError",
     "SampleNotCachedError",
+    "SpecError",
+    "UnsupportedFileSystemError",
+    "BuildWorkerDiedError",
+    "UsageError",
+    "CacheReadOnlyWarning",
 ]
 
-# The dataset module imports torch; loading it lazily (PEP 562) lets numpy-only users of the store, such as
-# `mmapcache inspect`, import the package without paying for torch.
-_LAZY = {"MmapCachedDataset": "dataset", "CacheReadOnlyWarning": "dataset"}
+# Loaded lazily (PEP 562): the dataset module imports torch, and the others need not be paid for by a script
+# that only opens a cache, so `mmapcache inspect` starts without importing torch.
+_LAZY = {
+    "MmapCachedDataset": "dataset",
+    "build": "_build",
+    "BuildReport": "_build",
+    "verify": "_verify",
+    "VerifyResult": "_verify",
+    "describe": "_report",
+}
 
 
 def __getattr__(name: str) -> object:

@@ -84,9 +84,13 @@ SEQ = "seq.u32"
 LOCK = "lock"
 USERS = "users"
 SLOT_INDEX = "slot_index.npy"
-STATE_FILES = (FILLED, STALE, SEQ, LOCK, USERS)
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}$")
+
+
+def is_cache(path: str) -> bool:
+    """Whether ``path`` is a directory holding a ``meta.json`` (a complete cache: it is written last)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, META))
 
 
 def field_files(layout: Layout) -> list[tuple[str, str | None]]:
@@ -136,7 +140,7 @@ def make_meta(
 
 
 def write_meta(directory: str, meta: dict[str, Any]) -> None:
-    # 0o664 minus the umask, never writable by others (see _store.FILE_MODE).
+    # 0o664 minus the umask, never writable by others (see _create.FILE_MODE).
     fd = os.open(os.path.join(directory, META), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o664)
     with open(fd, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)

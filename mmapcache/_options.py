@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import _store
+from ._create import plan_bytes
 from ._layout import Layout
 from ._sizes import parse_size
 
@@ -52,12 +52,12 @@ class CreateOptions:
             raise IndexError(f"cache_indices has values outside [0, {length}), the dataset's index range")
         slots = length if index is None else len(index)
         if self.max_bytes is not None:
-            # max_bytes bounds the whole cache as _store.plan_bytes counts it (data, shapes, counters, bitmaps,
+            # max_bytes bounds the whole cache as plan_bytes counts it (data, shapes, counters, bitmaps,
             # slot index), so a size suggested by InsufficientSpaceError really fits.
             has_index = index is not None
-            per_sample = max(1, _store.plan_bytes(layout, 8 * variants, 8 if has_index else 0) // 8)  # bitmap bits shared
+            per_sample = max(1, plan_bytes(layout, 8 * variants, 8 if has_index else 0) // 8)  # bitmap bits shared
             fit = self.max_bytes // per_sample
-            while fit and _store.plan_bytes(layout, fit * variants, fit if has_index else 0) > self.max_bytes:
+            while fit and plan_bytes(layout, fit * variants, fit if has_index else 0) > self.max_bytes:
                 fit -= 1
             if fit == 0:
                 raise ValueError(f"max_bytes={self.max_bytes} is smaller than one sample ({per_sample} bytes with "

@@ -14,8 +14,8 @@ import numpy as np
 
 from . import _gather
 from ._gather import take
-from ._layout import BOOL, FLOAT, INT, NPSCALAR, TENSOR, Field, batch_builder, compile_checker, batch_converter, leaf_converter, \
-    sample_builder
+from ._codec import batch_builder, batch_converter, compile_checker, leaf_converter, sample_builder
+from ._layout import BOOL, FLOAT, INT, NPSCALAR, TENSOR, Field
 from ._store import Store
 
 # A reader that loses the seqlock race this many times in a row (a row rewritten again and again) gives up and

@@ -13,7 +13,9 @@ import numpy as np
 
 from . import _format as fmt
 from ._sizes import format_size
-from ._store import Store, free_bytes, is_cache, users_of
+from ._admin import users_of
+from ._create import free_bytes
+from ._store import Store
 from .errors import MmapCacheError
 
 __all__ = ["describe", "render", "fill_map", "disk_bytes", "list_caches", "render_list"]
@@ -148,7 +150,7 @@ def list_caches(directory: str) -> list[dict[str, Any]]:
     entries = []
     for name in sorted(os.listdir(directory)):
         full = os.path.join(directory, name)
-        if name.startswith(".") or os.path.islink(full) or not is_cache(full):
+        if name.startswith(".") or os.path.islink(full) or not fmt.is_cache(full):
             continue
         entry: dict[str, Any] = {"name": name, "path": full, "users": users_of(full)}
         try:

@@ -13,15 +13,11 @@ import os
 import sys
 from typing import Any, Callable
 
-from .errors import MmapCacheError
+from .errors import SpecError
 
-__all__ = ["SpecError", "DatasetSpec", "parse_kwargs", "load_callable", "check_map_style"]
+__all__ = ["DatasetSpec", "parse_kwargs", "load_callable", "check_map_style"]
 
 _FORMS = "'package.module:name' or 'path/to/file.py:name'"
-
-
-class SpecError(MmapCacheError, ValueError):
-    """A dataset spec cannot be imported, is not callable, raised, or returned something that is not a dataset."""
 
 
 def parse_kwargs(text: str | None) -> dict[str, Any]:

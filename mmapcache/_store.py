@@ -1,9 +1,8 @@
-"""Creating (atomically), opening and mapping a cache directory; space reservation; users and removal.
+"""Opening and mapping a cache directory, and registering this process as one of its users.
 
-Creation builds the whole directory under a temporary name, reserves every byte with ``posix_fallocate`` (a
-sparse file on a full tmpfs kills its writer with SIGBUS, which Python cannot catch), then renames it into
-place. Creators of caches in one parent directory serialise on ``flock`` of that directory, so racing creators
-never reserve the space twice and all end up on one cache.
+A ``Store`` is one process's view of a cache: ``meta.json`` parsed and checked, every data file mapped (and its
+``.npy`` header checked against ``meta.json``), the slot state mapped. Creating a cache is ``_create``; removing
+one, listing its users and sweeping leftovers is ``_admin``.
 """
 
 from __future__ import annotations
@@ -13,27 +12,18 @@ import errno
 import fcntl
 import mmap
 import os
-import shutil
 import stat
 import weakref
-from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from . import _format as fmt
-from ._filled import SlotState, bitmap_bytes
-from ._layout import Field, Layout
-from ._sizes import format_size
-from .errors import CacheFormatError, CacheNotFoundError, CacheReadOnlyError, InsufficientSpaceError, MmapCacheError
+from ._admin import remove
+from ._filled import SlotState
+from ._layout import Layout
+from .errors import CacheFormatError, CacheNotFoundError, UnsupportedFileSystemError
 
 DEFAULT_DIR = "/dev/shm/mmapcache"
-_TMP_MARK = ".tmp-"
-_DELETING_MARK = ".deleting-"
-# Created files and directories get these modes minus the umask: never writable by others, whatever the umask,
-# because every process able to write a cache can make its readers serve wrong samples. Share a cache through a
-# group instead (umask 002 and a setgid parent directory).
-FILE_MODE = 0o664
-_DIR_MODE = 0o775
 
 
 def cache_root() -> str:
@@ -54,10 +44,6 @@ def resolve_path(path: str | os.PathLike[str]) -> str:
             raise ValueError(f"cache name {text!r} is not a name; pass a directory path or a plain name like 'imagenet-224'")
         text = os.path.join(cache_root(), text)
     return os.path.abspath(text)
-
-
-def is_cache(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, fmt.META))
 
 
 # --- opening ---------------------------------------------------------------------------------------------------
@@ -132,7 +118,7 @@ class Store:
             raise
         except OSError as exc:
             if exc.errno in (errno.ENODEV, errno.EINVAL, errno.EOPNOTSUPP):
-                raise MmapCacheError(
+                raise UnsupportedFileSystemError(
                     f"{path}: the file system does not support shared memory maps ({exc.strerror}); put the cache on "
                     f"tmpfs (/dev/shm) or a local disk: set MMAPCACHE_DIR or pass such a path"
                 ) from None
@@ -279,7 +265,7 @@ class Store:
                 fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False  # another user holds it
-            if self.moved() or not is_cache(self.path):
+            if self.moved() or not fmt.is_cache(self.path):
                 return False
             remove(self.path)
             return True
@@ -318,269 +304,3 @@ def _release(maps: list[mmap.mmap], fds: list[int]) -> None:
         with contextlib.suppress(BufferError, ValueError):
             m.close()
     maps.clear()
-
-
-def users_of(path: str) -> list[int]:
-    """Pids holding a lock on the cache's ``users`` file, read from ``/proc/locks`` (Linux)."""
-    try:
-        st = os.stat(os.path.join(path, fmt.USERS))
-        with open("/proc/locks", encoding="ascii") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    pids = set()
-    for line in lines:
-        parts = line.split()
-        if "->" in parts:  # a waiter, shown as "1: -> FLOCK ..."
-            parts.remove("->")
-        if len(parts) < 6 or parts[1] != "FLOCK":
-            continue
-        dev_ino = parts[5].split(":")
-        if len(dev_ino) == 3 and int(dev_ino[2]) == st.st_ino and int(dev_ino[1], 16) == os.minor(st.st_dev) \
-                and int(dev_ino[0], 16) == os.major(st.st_dev):
-            pids.add(int(parts[4]))
-    return sorted(p for p in pids if _alive(p))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-# --- creating --------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def parent_lock(path: str) -> Iterator[None]:
-    """Serialises creation and removal of caches in one parent directory (``flock`` on the directory)."""
-    parent = os.path.dirname(path)
-    try:
-        os.makedirs(parent, mode=_DIR_MODE, exist_ok=True)
-    except FileExistsError:
-        raise MmapCacheError(f"{parent} is a file; the parent of a cache must be a directory") from None
-    except OSError as exc:
-        raise _cannot_create(parent, exc) from None
-    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def plan_bytes(layout: Layout, rows: int, slots: int) -> int:
-    """Bytes a cache of this layout and size occupies (data, shapes, state and slot index; headers ignored)."""
-    shape_bytes = sum(8 * len(f.shape) for f in layout.fields if f.variable)
-    slot_index = 8 * slots
-    return rows * (layout.row_bytes + shape_bytes + 4) + 2 * bitmap_bytes(rows) + slot_index
-
-
-def free_bytes(directory: str) -> int:
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
-
-
-def create(
-    path: str,
-    layout: Layout,
-    *,
-    length: int,
-    slots: int,
-    variants: int,
-    slot_index: Sequence[int] | None,
-    fingerprint: str | None,
-    delete_on_close: bool,
-    library_version: str,
-    prepare: Callable[[str], None] | None = None,
-) -> None:
-    """Creates a cache at ``path`` atomically. The caller holds ``parent_lock(path)`` and checked it is absent.
-
-    ``prepare(tmp)``, if given, runs on the complete cache under its temporary name just before the rename (the
-    creator stores its first sample there, so no opener ever sees that sample missing and computes it again).
-
-    Raises:
-        InsufficientSpaceError: not enough room; nothing is left behind.
-    """
-    parent = os.path.dirname(path)
-    rows = slots * variants
-    needed = plan_bytes(layout, rows, slots if slot_index is not None else 0)
-    # Every file takes whole blocks (tmpfs: pages) plus its .npy header: a layout of many small fields otherwise
-    # passes the check, then fails on ENOSPC with a message claiming it needs less than is free.
-    needed += (2 * len(layout.fields) + 7) * ((os.statvfs(parent).f_frsize or 4096) + 128)
-    free = free_bytes(parent)
-    # A file system reporting no size at all (tmpfs mounted with size=0 is unlimited; /proc and sysfs hold no
-    # files) gets no up-front check: the reservation below still fails cleanly if the room is not there.
-    if needed > free and os.statvfs(parent).f_blocks:
-        raise InsufficientSpaceError(_space_message(path, needed, free, layout, variants, length))
-    tmp = f"{parent}/.{os.path.basename(path)}{_TMP_MARK}{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        os.mkdir(tmp, _DIR_MODE)
-    except OSError as exc:
-        raise _cannot_create(parent, exc) from None
-    try:
-        meta = fmt.make_meta(
-            layout, length=length, slots=slots, variants=variants, has_slot_index=slot_index is not None,
-            fingerprint=fingerprint, delete_on_close=delete_on_close, library_version=library_version,
-        )
-        for field, spec in zip(layout.fields, meta["fields"]):
-            _write_npy(tmp, spec["file"], field.np_dtype, (rows, *field.shape))
-            if spec["shape_file"]:
-                _write_npy(tmp, spec["shape_file"], np.dtype("<i8"), (rows, len(field.shape)))
-        if slot_index is not None:
-            fd = _write_npy(tmp, fmt.SLOT_INDEX, np.dtype("<i8"), (slots,), keep_open=True)
-            with os.fdopen(fd, "r+b") as f:
-                f.seek(-8 * slots, os.SEEK_END)
-                f.write(np.asarray(slot_index, dtype="<i8").tobytes())
-        for name, size in ((fmt.FILLED, bitmap_bytes(rows)), (fmt.STALE, bitmap_bytes(rows)), (fmt.SEQ, 4 * rows),
-                           (fmt.LOCK, 0), (fmt.USERS, 0)):
-            _reserve(os.path.join(tmp, name), size)
-        fmt.write_meta(tmp, meta)  # last: a directory with meta.json is a complete cache
-        if prepare is not None:
-            prepare(tmp)
-        os.rename(tmp, path)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise InsufficientSpaceError(_space_message(path, needed, free_bytes(parent), layout, variants, length)) from None
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _cannot_create(parent: str, exc: OSError) -> MmapCacheError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return InsufficientSpaceError(
-            f"cannot create a cache in {parent} ({exc.strerror}): the file system is full or out of inodes; free "
-            "space (`mmapcache ls`, `mmapcache rm`) or put the cache elsewhere with MMAPCACHE_DIR"
-        )
-    if exc.errno in (errno.EACCES, errno.EROFS):
-        return CacheReadOnlyError(
-            f"cannot create a cache in {parent} ({exc.strerror}): no write permission or a read-only mount; pass a "
-            "path in a directory you may write, or set MMAPCACHE_DIR (e.g. to a directory of your own in /dev/shm)"
-        )
-    return MmapCacheError(
-        f"cannot create a cache in {parent} ({exc.strerror}): this file system cannot hold one; put the cache on "
-        "tmpfs (/dev/shm, the default) or a local disk: pass such a path or set MMAPCACHE_DIR"
-    )
-
-
-def _write_npy(directory: str, name: str, dtype: np.dtype, shape: tuple[int, ...], keep_open: bool = False) -> int:
-    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
-    path = os.path.join(directory, name)
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE), "wb") as f:
-        np.lib.format.write_array_header_1_0(f, header)
-        offset = f.tell()
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return _reserve(path, offset + nbytes, keep_open=keep_open)
-
-
-def _reserve(path: str, size: int, keep_open: bool = False) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
-    try:
-        if size:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, size)  # no fallocate (some network file systems): best effort
-    except BaseException:
-        os.close(fd)
-        raise
-    if keep_open:
-        return fd
-    os.close(fd)
-    return -1
-
-
-def _space_message(path: str, needed: int, free: int, layout: Layout, variants: int, length: int) -> str:
-    per_sample = max(1, layout.row_bytes * variants)
-    fit = max(0, int(free * 0.95) // per_sample)
-    return (
-        f"not enough space for the cache at {path}: it needs {needed} bytes ({format_size(needed)}), "
-        f"{os.path.dirname(path)} has {free} bytes ({format_size(free)}) free. Fixes: cache part of the dataset with "
-        f"max_bytes={int(free * 0.95)} (about {fit} of {length} samples fit; `mmapcache build --max-bytes`), "
-        "put it on a larger file system with MMAPCACHE_DIR, free space (`mmapcache ls`, `mmapcache rm`), or, in "
-        "Docker, give the container more shared memory (`docker run --shm-size=16g`)"
-    )
-
-
-# --- removing --------------------------------------------------------------------------------------------------
-
-
-def remove(path: str) -> None:
-    """Removes a cache directory: renamed away first (so it vanishes atomically), then deleted.
-
-    Processes that still map its files keep their pages until they unmap them (tmpfs frees them then).
-    """
-    if not is_cache(path):
-        raise CacheFormatError(f"{path} is not an mmapcache cache (no {fmt.META}); refusing to remove it")
-    doomed = f"{os.path.dirname(path)}/.{os.path.basename(path)}{_DELETING_MARK}{os.getpid()}"
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def sweep(parent: str) -> list[str]:
-    """Removes what dead processes left in ``parent``: temporary directories of interrupted creations and
-    removals, and ``delete_on_close`` caches that no process uses any more. Caller holds the parent lock."""
-    removed = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return removed
-    for name in names:
-        full = os.path.join(parent, name)
-        for mark in (_TMP_MARK, _DELETING_MARK):
-            if name.startswith(".") and mark in name:
-                pid = name.rsplit(mark, 1)[1]
-                if pid.isdigit() and not _alive(int(pid)):
-                    shutil.rmtree(full, ignore_errors=True)
-                    removed.append(full)
-        if not name.startswith(".") and _remove_if_orphaned(full):
-            removed.append(full)
-    return removed
-
-
-def _remove_if_orphaned(path: str) -> bool:
-    """Removes a delete_on_close cache whose users file nobody holds (its last user died without cleaning up).
-
-    The exclusive lock is held until the cache is renamed away, so a process attaching meanwhile either keeps it
-    (the lock is refused) or finds it gone (``Store.attach``). Caller holds the parent lock.
-    """
-    try:
-        meta = fmt.read_meta(path)
-    except (CacheFormatError, OSError):
-        return False
-    if not meta.get("delete_on_close"):
-        return False
-    try:
-        fd = os.open(os.path.join(path, fmt.USERS), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        remove(path)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def field_by_name(layout: Layout, name: str) -> Field:
-    for field in layout.fields:
-        if field.name == name:
-            return field
-    raise KeyError(name)
-
-
-def describe_meta(meta: dict[str, Any]) -> str:
-    layout = Layout.from_json(meta)
-    return ", ".join(f"{f.name}: {f.describe()}" for f in layout.fields)

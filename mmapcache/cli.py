@@ -17,16 +17,12 @@ import textwrap
 import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
-from .errors import MmapCacheError
+from .errors import MmapCacheError, UsageError
 
 __all__ = ["main"]
 
 _PROG = "mmapcache"
 _EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """A problem with the command line; printed as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,7 +69,7 @@ def _size(text: str) -> int:
 
 
 def _shard(text: str) -> tuple[int, int]:
-    from .build import parse_shard
+    from ._build import parse_shard
 
     try:
         return parse_shard(text)
@@ -82,7 +78,7 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def _range(text: str) -> tuple[int, int | None]:
-    from .build import parse_range
+    from ._build import parse_range
 
     try:
         return parse_range(text)
@@ -218,7 +214,7 @@ def _existing_dir(directory: str | None) -> str:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from ._specs import DatasetSpec, parse_kwargs
-    from .build import build
+    from ._build import build
 
     spec = DatasetSpec(args.dataset, parse_kwargs(args.kwargs))
     with _sigterm_as_interrupt():
@@ -305,7 +301,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 def _cmd_rm(args: argparse.Namespace) -> int:
     from . import _format as fmt
-    from ._store import parent_lock, remove, users_of
+    from ._admin import remove, users_of
+    from ._create import parent_lock
 
     paths = [_resolve(p) for p in args.paths]
     for path in paths:  # refuse everything before removing anything
@@ -327,7 +324,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
 
 def _check_removable(path: str, force: bool, fmt: Any) -> None:
     """Refuses anything that is not a cache; a cache with a damaged meta.json only with --force."""
-    from ._store import users_of
+    from ._admin import users_of
 
     if os.path.islink(path):
         raise UsageError(f"{path} is a symbolic link, not a cache; refusing to remove it (remove the link with rm)")
@@ -380,7 +377,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from ._store import parent_lock, sweep
+    from ._admin import sweep
+    from ._create import parent_lock
 
     directory = _existing_dir(args.dir)
     if not os.path.isdir(directory):

@@ -13,13 +13,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from . import _store
+from . import _admin, _create
 from ._layout import Layout
 from ._options import STALE_MODES, VARIANT_CHOICES, CreateOptions, check_bool, check_choice, \
     check_optional_str, mix, mix_array, source_length
 from ._reader import RowReader
-from ._store import Store, parent_lock, resolve_path
-from .errors import CacheMismatchError, CacheNotFoundError, LayoutError, SampleNotCachedError
+from ._create import parent_lock
+from ._store import Store, resolve_path
+from .errors import CacheMismatchError, CacheNotFoundError, CacheReadOnlyWarning, LayoutError, SampleNotCachedError
 
 __all__ = ["MmapCachedDataset"]
 
@@ -140,7 +141,7 @@ class MmapCachedDataset(Dataset):
         layout, first_index, first_sample = probe
         slots, slot_index, variants = options.plan(layout, self._source_length)
         with parent_lock(self.path):
-            _store.sweep(os.path.dirname(self.path))
+            _admin.sweep(os.path.dirname(self.path))
             if os.path.exists(self.path):  # another process created it (or it is the mismatched one)
                 store = Store(self.path)
                 problem = self._mismatch(store, options, probe)
@@ -153,8 +154,8 @@ class MmapCachedDataset(Dataset):
                         f"the cache at {self.path}, just created by another process, was made from a different "
                         f"source: {problem}. Pass overwrite=True to replace it, or use another path"
                     )
-                _store.remove(self.path)
-            _store.create(
+                _admin.remove(self.path)
+            _create.create(
                 self.path, layout, length=self._source_length, slots=slots, variants=variants,
                 slot_index=slot_index, fingerprint=self.fingerprint, delete_on_close=self.delete_on_close,
                 library_version=_version(),
@@ -166,7 +167,7 @@ class MmapCachedDataset(Dataset):
         return store
 
     def _store_first(self, index: int, sample: Any, directory: str) -> None:
-        """Stores the layout probe in a cache still under its temporary name (see ``_store.create``)."""
+        """Stores the layout probe in a cache still under its temporary name (see ``_create.create``)."""
         store = Store(directory, writable=True)
         try:
             reader = RowReader(store, recompute_stale=True)
@@ -555,10 +556,6 @@ def _warn_read_only(path: str) -> None:
             f"the cache at {path} is read-only for this process (file permissions or a read-only mount): missing "
             "samples are computed from the source but not stored", CacheReadOnlyWarning, stacklevel=4,
         )
-
-
-class CacheReadOnlyWarning(UserWarning):
-    """Misses are served from the source but cannot be stored (the cache is read-only for this process)."""
 
 
 def _version() -> str:

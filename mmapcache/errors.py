@@ -17,6 +17,12 @@ __all__ = [
     "InsufficientSpaceError",
     "SampleNotCachedError",
     "LayoutError",
+    "SpecError",
+    "CacheInUseError",
+    "UnsupportedFileSystemError",
+    "BuildWorkerDiedError",
+    "UsageError",
+    "CacheReadOnlyWarning",
 ]
 
 
@@ -54,3 +60,41 @@ class SampleNotCachedError(MmapCacheError, KeyError):
 
 class LayoutError(MmapCacheError, TypeError):
     """A sample cannot be stored: an unsupported leaf type, or a layout that differs from the cache's."""
+
+
+class SpecError(MmapCacheError, ValueError):
+    """A dataset spec cannot be imported, is not callable, raised, or returned something that is not a dataset."""
+
+
+class CacheInUseError(MmapCacheError, OSError):
+    """A cache cannot be removed because processes use it (``users`` lists their pids); ``force=True`` removes
+    it anyway (they keep reading the pages they mapped)."""
+
+    def __init__(self, message: str, *, users: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.users = tuple(users)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only attributes survive pickling (DataLoader workers, multiprocessing).
+        return (_rebuild_in_use, (str(self), self.users))
+
+
+def _rebuild_in_use(message: str, users: tuple[int, ...]) -> CacheInUseError:
+    return CacheInUseError(message, users=users)
+
+
+class UnsupportedFileSystemError(MmapCacheError, OSError):
+    """The file system cannot hold a cache (no shared memory maps, or the parent is not a directory)."""
+
+
+class BuildWorkerDiedError(MmapCacheError, RuntimeError):
+    """A build's worker process was killed by a signal (the OOM killer, a crash in native code)."""
+
+
+class UsageError(MmapCacheError, ValueError):
+    """A problem with the command line or a library argument given as text; printed as one line, exit status 2."""
+
+
+class CacheReadOnlyWarning(UserWarning):
+    """Misses are served from the source but cannot be stored (the cache is read-only for this process)."""
+

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from mmapcache import CacheFormatError, LayoutError, MmapCacheError, MmapCachedDataset
-from sources import ImageLabels
+from helpers.sources import ImageLabels
 
 
 @pytest.fixture

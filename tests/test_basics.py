@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmapcache import MmapCachedDataset, SampleNotCachedError
-from sources import Counting, ImageLabels, sample_equal
+from helpers.sources import Counting, ImageLabels, sample_equal
 
 
 def test_miss_then_hit_does_not_call_source_again(cache_path: str, tmp_path) -> None:
@@ -34,7 +34,7 @@ def test_unrelated_process_reads_by_path(cache_path: str) -> None:
         for i in range(8):
             ds[i]
     code = (
-        "import sys; from mmapcache import MmapCachedDataset; from sources import ImageLabels, sample_equal\n"
+        "import sys; from mmapcache import MmapCachedDataset; from helpers.sources import ImageLabels, sample_equal\n"
         f"ds = MmapCachedDataset({cache_path!r})\n"
         "assert all(sample_equal(ds[i], ImageLabels(8)[i]) for i in range(8)); print('ok')"
     )

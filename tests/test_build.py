@@ -1,4 +1,4 @@
-"""``mmapcache build`` and ``mmapcache.build.build``: parallel fill, resume after SIGKILL, concurrent builds,
+"""``mmapcache build`` and ``mmapcache.build``: parallel fill, resume after SIGKILL, concurrent builds,
 shards, failures, refresh and follow mode. Builds run as real processes (CLI subprocesses or DataLoader workers)."""
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from mmapcache import MmapCachedDataset
-from mmapcache.build import build, chunk_rows
+from mmapcache import build
+from mmapcache._build import chunk_rows
 from mmapcache.cli import main
-from sources import ImageLabels, sample_equal
+from helpers.sources import ImageLabels, sample_equal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SPEC = os.path.join(HERE, "cli_sources.py")
+SPEC = os.path.join(HERE, "helpers", "cli_sources.py")
 ENV = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 

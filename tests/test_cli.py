@@ -12,10 +12,10 @@ import pytest
 
 from mmapcache import MmapCachedDataset
 from mmapcache.cli import main
-from sources import ImageLabels
+from helpers.sources import ImageLabels
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SPEC = os.path.join(HERE, "cli_sources.py")
+SPEC = os.path.join(HERE, "helpers", "cli_sources.py")
 ENV = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 

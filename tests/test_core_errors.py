@@ -11,7 +11,7 @@ import pytest
 
 import mmapcache
 from mmapcache import errors
-from sources import ImageLabels
+from helpers.sources import ImageLabels
 
 BUILTINS = {
     "CacheNotFoundError": FileNotFoundError,
@@ -30,7 +30,10 @@ def test_every_error_is_re_exported_and_in_the_hierarchy() -> None:
     for name in errors.__all__:
         cls = getattr(errors, name)
         assert getattr(mmapcache, name) is cls and name in mmapcache.__all__
-        assert issubclass(cls, errors.MmapCacheError) and issubclass(cls, Exception)
+        if name.endswith("Warning"):
+            assert issubclass(cls, UserWarning) and not issubclass(cls, errors.MmapCacheError)
+        else:
+            assert issubclass(cls, errors.MmapCacheError) and issubclass(cls, Exception)
     for name, builtin in BUILTINS.items():
         assert issubclass(getattr(errors, name), builtin), f"{name} should also be a {builtin.__name__}"
 

@@ -16,7 +16,7 @@ import torch
 
 import mmapcache
 from mmapcache import MmapCachedDataset
-from sources import sample_equal
+from helpers.sources import sample_equal
 
 N = 10
 FILLED = [0, 1, 2, 4, 5, 6, 9]

@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-import fault_workers as fw
+from helpers import fault_workers as fw
 from mmapcache import CacheFormatError, CacheMismatchError, MmapCachedDataset, SampleNotCachedError
-from sources import ImageLabels, sample_equal
+from helpers.sources import ImageLabels, sample_equal
 
 N = 13  # not a multiple of 8: the bitmaps have spare bits past the last row
 

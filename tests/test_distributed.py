@@ -18,7 +18,7 @@ import pytest
 
 from mmapcache import MmapCachedDataset
 from mmapcache.distributed import local_rank_and_size, prefill
-from sources import Counting, ImageLabels, sample_equal
+from helpers.sources import Counting, ImageLabels
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 90.0
@@ -84,7 +84,7 @@ def test_one_node_two_ranks_share_one_cache(shm_dir: str, tmp_path) -> None:
     node = os.path.join(shm_dir, "node0")
     out, log = tmp_path / "out", str(tmp_path / "calls0")
     out.mkdir()
-    proc = torchrun(["--standalone", "--nproc-per-node=2", os.path.join(TESTS, "dist_script.py"),
+    proc = torchrun(["--standalone", "--nproc-per-node=2", os.path.join(TESTS, "helpers", "dist_script.py"),
                      "--results", str(out), "--cache-name", "cache", "--calls", log, "--samples", str(N)],
                     {"MMAPCACHE_DIR": node})
     finish(proc)
@@ -102,7 +102,7 @@ def test_two_nodes_each_build_their_own_cache(shm_dir: str, tmp_path) -> None:
     for node_rank in (0, 1):
         procs.append(torchrun(
             ["--nnodes=2", f"--node-rank={node_rank}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-             f"--master-port={port}", os.path.join(TESTS, "dist_script.py"), "--results", str(out), "--cache-name", "cache",
+             f"--master-port={port}", os.path.join(TESTS, "helpers", "dist_script.py"), "--results", str(out), "--cache-name", "cache",
              "--calls", str(tmp_path / f"calls{node_rank}"), "--samples", str(N)],
             {"MMAPCACHE_DIR": os.path.join(shm_dir, f"node{node_rank}")},
         ))

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from mmapcache import MmapCachedDataset
-from mmapcache import _store
-from sources import sample_equal
+from mmapcache import _format
+from helpers.sources import sample_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -89,7 +89,7 @@ def test_two_scripts_fill_then_unrelated_reader(shm_dir: str) -> None:
     assert fill and read, out
     assert int(fill.group(1)) == 39  # sample 0 was stored when the cache was created
     assert fill.group(2) == read.group(1)
-    assert _store.is_cache(cache)  # persists after both processes exited
+    assert _format.is_cache(cache)  # persists after both processes exited
 
 
 def test_ddp_example_under_torchrun(shm_dir: str) -> None:

@@ -20,11 +20,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import fault_workers as fw
-from mmapcache import CacheReadOnlyError, CacheReadOnlyWarning, InsufficientSpaceError, LayoutError, MmapCachedDataset
-from mmapcache import _store
+from helpers import fault_workers as fw
+from mmapcache import CacheReadOnlyError, CacheReadOnlyWarning, LayoutError, MmapCachedDataset
+from mmapcache import _admin, _create, _store
 from mmapcache._layout import Layout
-from sources import ImageLabels, image_of, sample_equal
+from helpers.sources import ImageLabels, image_of, sample_equal
 
 FORK = multiprocessing.get_context("fork")
 
@@ -197,7 +197,7 @@ def _create_in_child(path: str, shape: tuple[int, ...], n: int, fill: bool = Fal
 
 def _planned_bytes(n: int, shape: tuple[int, ...]) -> int:
     layout = Layout.from_sample(ImageLabels(n, shape)[0])
-    return _store.plan_bytes(layout, n, 0)
+    return _create.plan_bytes(layout, n, 0)
 
 
 def test_full_file_system_is_refused_up_front(small_tmpfs: Any) -> None:
@@ -214,7 +214,7 @@ def test_room_gone_between_check_and_reservation(small_tmpfs: Any) -> None:
     n, shape = 64, (3, 64, 64)
     mount = small_tmpfs(64 << 20)
     subprocess.run(["mount", "-o", "remount,nr_inodes=6", mount], check=True)
-    assert _store.free_bytes(mount) > 4 * _planned_bytes(n, shape)
+    assert _create.free_bytes(mount) > 4 * _planned_bytes(n, shape)
     result = _create_in_child(os.path.join(mount, "cache"), shape, n)
     assert result["ok"] is False and result["type"] == "InsufficientSpaceError", result
     assert os.listdir(mount) == []
@@ -261,7 +261,7 @@ def test_space_taken_by_others_after_creation_causes_no_sigbus(small_tmpfs: Any)
         with pytest.raises(OSError, match="No space left"):
             for _ in range(1024):
                 f.write(b"\xff" * 4096)
-    assert _store.free_bytes(mount) < 4096
+    assert _create.free_bytes(mount) < 4096
     result = _create_in_child(path, shape, n, fill=True)
     assert result == {"ok": True, "cached": n}
     with MmapCachedDataset(path) as ds:
@@ -279,8 +279,8 @@ def _remove_cache(path: str) -> None:
                               text=True, timeout=120)
         assert done.returncode == 0, done.stderr
     else:
-        with _store.parent_lock(path):
-            _store.remove(path)
+        with _create.parent_lock(path):
+            _admin.remove(path)
     assert not os.path.exists(path)
 
 

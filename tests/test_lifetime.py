@@ -18,8 +18,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 from mmapcache import CacheNotFoundError, MmapCachedDataset
-from mmapcache import _store
-from sources import ImageLabels, sample_equal
+from mmapcache import _admin, _create, _format, _store
+from helpers.sources import ImageLabels, sample_equal
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 60.0
@@ -29,7 +29,7 @@ TIMEOUT = 60.0
 USER = r"""
 import sys
 from mmapcache import MmapCachedDataset
-from sources import ImageLabels, sample_equal
+from helpers.sources import ImageLabels, sample_equal
 path, delete = sys.argv[1], sys.argv[2] == "1"
 ds = MmapCachedDataset(path, ImageLabels(8), delete_on_close=delete)
 ok = all(sample_equal(ds[i], ImageLabels(8)[i]) for i in range(len(ds)))
@@ -107,14 +107,14 @@ def users() -> Iterator[Users]:
 
 def test_a_cache_persists_by_default(cache_path: str) -> None:
     MmapCachedDataset(cache_path, ImageLabels(8)).close()
-    assert _store.is_cache(cache_path)
+    assert _format.is_cache(cache_path)
     with MmapCachedDataset(cache_path) as ds:
         assert ds.num_cached == 1
 
 
 def test_single_user_close_removes(cache_path: str) -> None:
     ds = MmapCachedDataset(cache_path, ImageLabels(8), delete_on_close=True)
-    assert _store.users_of(cache_path) == [os.getpid()]
+    assert _admin.users_of(cache_path) == [os.getpid()]
     ds.close()
     assert not os.path.exists(cache_path)
     assert os.listdir(os.path.dirname(cache_path)) == []  # no temporary or .deleting leftovers
@@ -127,19 +127,19 @@ def test_last_of_several_opens_removes_in_any_order(cache_path: str, order: tupl
     for step, k in enumerate(order):
         opened[k].close()
         opened[k].close()  # idempotent: a second close must not count twice
-        assert _store.is_cache(cache_path) == (step < 2), f"after closing {order[:step + 1]}"
+        assert _format.is_cache(cache_path) == (step < 2), f"after closing {order[:step + 1]}"
 
 
 def test_users_closing_exiting_and_killed_in_other_processes(cache_path: str, users: Users) -> None:
     u = users.start(*[cache_path] * 4)
-    assert _store.users_of(cache_path) == sorted(user.pid for user in u)
+    assert _admin.users_of(cache_path) == sorted(user.pid for user in u)
     u[1].kill()
-    assert _store.is_cache(cache_path)
+    assert _format.is_cache(cache_path)
     u[0].exit()  # interpreter exit without close(): the finalizer detaches
-    assert _store.is_cache(cache_path)
-    assert _store.users_of(cache_path) == sorted([u[2].pid, u[3].pid])
+    assert _format.is_cache(cache_path)
+    assert _admin.users_of(cache_path) == sorted([u[2].pid, u[3].pid])
     u[3].close()
-    assert _store.is_cache(cache_path) and _store.users_of(cache_path) == [u[2].pid]
+    assert _format.is_cache(cache_path) and _admin.users_of(cache_path) == [u[2].pid]
     u[2].close()  # the last user, even though two others never called close()
     assert not os.path.exists(cache_path)
     assert os.listdir(os.path.dirname(cache_path)) == []
@@ -151,19 +151,19 @@ def test_killing_the_last_user_leaves_an_orphan_the_next_sweep_removes(shm_dir: 
     users.start(kept, delete=False)
     for user in users:
         user.kill()
-    assert _store.is_cache(orphan) and _store.users_of(orphan) == []
+    assert _format.is_cache(orphan) and _admin.users_of(orphan) == []
     MmapCachedDataset(other, ImageLabels(4)).close()  # creating a cache in the same parent sweeps
     assert not os.path.exists(orphan)
-    assert _store.is_cache(kept) and _store.is_cache(other)  # persistent caches are never swept
+    assert _format.is_cache(kept) and _format.is_cache(other)  # persistent caches are never swept
     assert sorted(os.listdir(shm_dir)) == ["kept", "other"]
 
 
 def test_sweep_leaves_a_used_delete_on_close_cache_alone(shm_dir: str) -> None:
     used = os.path.join(shm_dir, "used")
     with MmapCachedDataset(used, ImageLabels(4), delete_on_close=True):
-        with _store.parent_lock(used):
-            assert _store.sweep(shm_dir) == []
-        assert _store.is_cache(used)
+        with _create.parent_lock(used):
+            assert _admin.sweep(shm_dir) == []
+        assert _format.is_cache(used)
     assert not os.path.exists(used)
 
 
@@ -176,8 +176,8 @@ def test_dataloader_workers_do_not_count_or_remove(cache_path: str, context: str
         seen = [sample for images, labels in loader for sample in zip(images, labels.tolist())]
         assert len(seen) == 16 and all(sample_equal(s, source[i]) for i, s in enumerate(seen))
         del loader
-        assert _store.is_cache(cache_path), "a worker's exit removed the cache the main process still holds"
-        assert _store.users_of(cache_path) == [os.getpid()]
+        assert _format.is_cache(cache_path), "a worker's exit removed the cache the main process still holds"
+        assert _admin.users_of(cache_path) == [os.getpid()]
     assert ds.num_cached == 16
     ds.close()
     assert not os.path.exists(cache_path)
@@ -195,7 +195,7 @@ def test_closing_while_persistent_forked_workers_live(cache_path: str, delete: b
     if delete:
         assert not os.path.exists(cache_path), "forked workers must not count as users"
     else:
-        assert _store.users_of(cache_path) == []
+        assert _admin.users_of(cache_path) == []
         fd = os.open(os.path.join(cache_path, "users"), os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # BlockingIOError: a lock lingers in the workers

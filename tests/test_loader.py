@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, SubsetRandomSampler
+from torch.utils.data import DataLoader, SubsetRandomSampler
 
-from loader_sources import Mixed
+from helpers.loader_sources import Mixed
 from mmapcache import MmapCachedDataset
-from sources import sample_equal
+from helpers.sources import sample_equal
 
 
 def _both(ds: MmapCachedDataset, **kwargs: Any) -> tuple[list[Any], list[Any]]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmapcache import CacheMismatchError, CacheNotFoundError, MmapCachedDataset, SampleNotCachedError
-from sources import Counting, ImageLabels, sample_equal
+from helpers.sources import Counting, ImageLabels, sample_equal
 
 
 def _fill(path: str, source: Any, **kwargs: Any) -> None:

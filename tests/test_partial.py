@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from mmapcache import CacheMismatchError, InsufficientSpaceError, MmapCachedDataset, SampleNotCachedError
-from mmapcache import _store
-from sources import Counting, ImageLabels, sample_equal
+from mmapcache import _create
+from helpers.sources import Counting, ImageLabels, sample_equal
 
 N = 40
 SHAPE = (3, 16, 16)
@@ -25,7 +25,7 @@ SHAPE = (3, 16, 16)
 def _layout_bytes(ds: MmapCachedDataset) -> int:
     """What the cache occupies, counted the way ``max_bytes`` bounds it."""
     store = ds._store
-    return _store.plan_bytes(store.layout, store.rows, store.slots if store.slot_index is not None else 0)
+    return _create.plan_bytes(store.layout, store.rows, store.slots if store.slot_index is not None else 0)
 
 
 @pytest.mark.parametrize("max_bytes", [10_000, "10000", "9.8K", "16K"])
@@ -36,7 +36,7 @@ def test_max_bytes_caches_as_many_leading_samples_as_fit(cache_path: str, max_by
         assert 0 < k < N
         assert _layout_bytes(ds) <= limit
         # As many as fit: one more would not.
-        assert _store.plan_bytes(ds._store.layout, k + 1, 0) > limit
+        assert _create.plan_bytes(ds._store.layout, k + 1, 0) > limit
         assert ds._store.meta["slot_index"] is None and ds._store.meta["slots"] == k  # the first k, recorded
 
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from core_workers import Big, Small, big_filler, concurrent_filler, interleaved_filler, read_all_by_path, slow_filler
+from helpers.core_workers import Big, Small, big_filler, concurrent_filler, interleaved_filler, read_all_by_path, slow_filler
 from mmapcache import MmapCachedDataset, SampleNotCachedError
-from sources import ImageLabels, sample_equal
+from helpers.sources import ImageLabels, sample_equal
 
 START_METHODS = ["fork", "spawn", "forkserver"]
 

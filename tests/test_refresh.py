@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from feature_workers import (
+from helpers.feature_workers import (
     RandomAugment,
     Versioned,
     check_loop,
@@ -25,7 +25,7 @@ from feature_workers import (
     wait_for,
 )
 from mmapcache import MmapCachedDataset, SampleNotCachedError
-from sources import sample_equal
+from helpers.sources import sample_equal
 
 SHAPE = (3, 64, 64)
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from core_workers import NUMPY_DTYPES, TORCH_DTYPES, AllLeaves, ChangesLayout, OddViews, Point, exact, resolved
+from helpers.core_workers import NUMPY_DTYPES, TORCH_DTYPES, AllLeaves, ChangesLayout, OddViews, Point, exact, resolved
 from mmapcache import LayoutError, MmapCachedDataset
-from sources import Counting, ImageLabels, sample_equal
+from helpers.sources import Counting, ImageLabels, sample_equal
 
 Sample = collections.namedtuple("Sample", ["image", "target"])  # module level: importable, so hits rebuild it
 
@@ -211,7 +211,7 @@ def test_unsupported_leaf_names_field_path_type_and_hint(cache_path: str, leaf: 
     with pytest.raises(LayoutError) as info:
         MmapCachedDataset(cache_path, source)
     message = str(info.value)
-    assert f"'1.meta.name'" in message
+    assert "'1.meta.name'" in message
     for word in words:
         assert word in message
     assert not os.path.exists(cache_path)  # nothing was created

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 
 from mmapcache import InsufficientSpaceError, MmapCacheError, MmapCachedDataset
-from sources import ImageLabels, sample_equal
+from helpers.sources import ImageLabels, sample_equal
 
 MIB = 1024 * 1024
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from feature_workers import list_collate, pad_collate
+from helpers.feature_workers import list_collate, pad_collate
 from mmapcache import CacheMismatchError, LayoutError, MmapCachedDataset
-from sources import Counting, sample_equal
+from helpers.sources import Counting, sample_equal
 
 
 class Images(Dataset):

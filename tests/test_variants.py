@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from feature_workers import RandomAugment, read_calls
+from helpers.feature_workers import RandomAugment, read_calls
 from mmapcache import CacheMismatchError, MmapCachedDataset
-from sources import sample_equal
+from helpers.sources import sample_equal
 
 N, K = 12, 3
 

@@ -470,7 +470,7 @@ def _build_command() -> list[str] | None:
     """How to run the ``mmapcache`` CLI, or None if it does not exist yet."""
     import importlib.util
 
-    if importlib.util.find_spec("mmapcache.cli") is None or importlib.util.find_spec("mmapcache.build") is None:
+    if importlib.util.find_spec("mmapcache.cli") is None or importlib.util.find_spec("mmapcache._build") is None:
         return None
     return [sys.executable, "-c", "import sys; from mmapcache.cli import main; sys.exit(main(sys.argv[1:]))"]
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from mmapcache import MmapCachedDataset
 from mmapcache.distributed import local_rank_and_size
-from sources import Counting, ImageLabels, sample_equal
+from helpers.sources import Counting, ImageLabels, sample_equal
 
 
 def main() -> None:

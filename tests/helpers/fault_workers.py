@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from mmapcache import CacheReadOnlyWarning, MmapCachedDataset, SampleNotCachedError
-from sources import ImageLabels, image_of, sample_equal
+from helpers.sources import ImageLabels, image_of, sample_equal
 
 
 def write_result(path: str, result: dict[str, Any]) -> None:

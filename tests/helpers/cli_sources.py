@@ -1,4 +1,4 @@
-"""Factories used as ``tests/cli_sources.py:name`` dataset specs by the CLI and build tests."""
+"""Factories used as ``tests/helpers/cli_sources.py:name`` dataset specs by the CLI and build tests."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from sources import Counting, ImageLabels
+from helpers.sources import Counting, ImageLabels
 
 
 def images(n: int = 64, log: str | None = None, delay: float = 0.0, shape: list[int] | None = None) -> Dataset:

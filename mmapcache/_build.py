@@ -29,7 +29,7 @@ from ._filled import ChunkClaims
 from ._sizes import format_size
 from ._specs import DatasetSpec
 from ._store import Store, resolve_path
-from .errors import CacheMismatchError, CacheReadOnlyError, MmapCacheError
+from .errors import BuildWorkerDiedError, CacheMismatchError, CacheReadOnlyError
 
 __all__ = ["build", "BuildReport", "Failure", "chunk_rows", "auto_shard", "parse_shard", "parse_range"]
 
@@ -418,7 +418,7 @@ class _Driver:
             if "DataLoader worker" not in str(exc):
                 raise
             # Killed by a signal (the OOM killer, a crash in native code): what it stored is consistent.
-            raise MmapCacheError(f"a build worker died ({exc}); the cache is consistent: rerun the same command to "
+            raise BuildWorkerDiedError(f"a build worker died ({exc}); the cache is consistent: rerun the same command to "
                                  "fill what is missing, with fewer --workers if memory ran out") from exc
         finally:
             del it  # shuts the workers down now, also on interrupt

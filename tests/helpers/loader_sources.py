@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from sources import image_of
+from helpers.sources import image_of
 
 Record = collections.namedtuple("Record", ["pixels", "score", "flag"])
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from mmapcache import MmapCachedDataset
-from sources import ImageLabels, sample_equal
+from helpers.sources import ImageLabels, sample_equal
 
 Point = collections.namedtuple("Point", ["x", "y"])
 
