@@ -29,7 +29,9 @@ from ._filled import ChunkClaims
 from ._sizes import format_size
 from ._specs import DatasetSpec
 from ._store import Store, resolve_path
-from .errors import BuildWorkerDiedError, CacheMismatchError, CacheReadOnlyError
+from ._open import Request, Source, open_cache
+from ._options import CreateOptions
+from .errors import BuildWorkerDiedError, CacheReadOnlyError
 
 __all__ = ["build", "BuildReport", "Failure", "chunk_rows", "auto_shard", "parse_shard", "parse_range"]
 
@@ -237,6 +239,7 @@ def build(
     refresh: float | None = None,
     follow: bool = False,
     fail_fast: bool = False,
+    deterministic: bool = True,
     progress: bool = False,
     out: Any = None,
 ) -> BuildReport:
@@ -255,12 +258,16 @@ def build(
         shard: ``(i, n)``: fill only the i-th of n disjoint parts (see the module docstring); ``"auto"``: the
             local rank's part under torchrun, else everything; None: everything.
         indices: ``(start, stop)``: only source indices in ``[start, stop)`` (stop None: to the end).
-        fingerprint, max_bytes, variants, max_shapes: passed to ``MmapCachedDataset`` when the cache is
+        fingerprint, max_bytes, variants, max_shapes: as for ``MmapCachedDataset``: used when the cache is
             created; checked against an existing cache (fingerprint, variants).
         refresh: first mark this fraction of the filled rows stale, then refill them.
         follow: after filling, keep refilling rows that become unfilled or stale (another process's
             ``refresh``), polling every 0.5 s, until interrupted (KeyboardInterrupt; the CLI maps SIGTERM to it).
         fail_fast: stop at the first sample whose source raises.
+        deterministic: whether the source returns the same sample for the same index every time. Without a
+            fingerprint, opening an existing cache recomputes its first sample and refuses the cache if the bytes
+            differ (a changed source); a source with random augmentation, or one that changed on purpose before a
+            ``refresh``, is declared ``deterministic=False`` (its layout is still checked).
         progress: print progress to ``out`` (a tqdm bar on a terminal, else a line every 5 s).
         out: stream for progress (default ``sys.stdout``).
 
@@ -281,56 +288,53 @@ def build(
     if refresh is not None and (isinstance(refresh, bool) or not 0 <= refresh <= 1):
         raise ValueError(f"refresh must be a fraction in [0, 1], got {refresh!r}")
     store = _open_or_create(path, spec, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants,
-                            max_shapes=max_shapes)
+                            max_shapes=max_shapes, deterministic=deterministic)
     report = BuildReport(path)
     try:
         if refresh:
-            report.marked_stale = _mark_stale(path, refresh)
+            report.marked_stale = _mark_stale(store, refresh, None)
         start, stop = indices if indices is not None else (0, None)
         plan = _Plan(path, spec, chunk_rows(store.rows), start, stop, fail_fast)
         driver = _Driver(store, plan, workers, shard, report, progress, out or sys.stdout, started)
         driver.run(follow)
     finally:
-        store.close()
+        _release(store)
         report.elapsed = time.monotonic() - started
     return report
 
 
 def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, max_bytes: Any,
-                    variants: int | None, max_shapes: dict[str, Sequence[int]] | None) -> Store:
-    """Opens the cache, checking it matches the source, or creates it through ``MmapCachedDataset`` (the one
-    code path that creates caches; it computes and stores the first sample to learn the layout)."""
+                    variants: int | None, max_shapes: dict[str, Sequence[int]] | None, deterministic: bool) -> Store:
+    """Opens the cache, checking that it matches the source (its first sample's layout, and its bytes without a
+    fingerprint: before any worker starts), or creates it. Returns it registered as used by this process."""
     dataset = spec()
-    if not os.path.exists(path):
-        from .dataset import MmapCachedDataset
 
-        MmapCachedDataset(path, dataset, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants,
-                          max_shapes=max_shapes).close()
-    store = Store(path)
-    # An existing cache is checked without computing a sample (the workers check every sample's layout).
-    meta, problem = store.meta, None
-    if meta["length"] != len(dataset):
-        problem = f"length {meta['length']} in the cache, {len(dataset)} in the dataset"
-    elif fingerprint is not None and meta["fingerprint"] != fingerprint:
-        problem = f"fingerprint {meta['fingerprint']!r} in the cache, {fingerprint!r} given"
-    elif variants is not None and meta["variants"] != variants:
-        problem = f"variants={meta['variants']} in the cache, {variants} given"
-    if problem:
-        store.close()
-        raise CacheMismatchError(f"the cache at {path} was made from a different source: {problem}; remove it "
-                                 f"(`mmapcache rm {path}`) or build into another path")
+    def fetch(index: int) -> Any:
+        try:
+            return dataset[index]
+        except Exception as exc:
+            exc.add_note(f"mmapcache: raised by the source dataset computing sample {index} for the cache at {path}")
+            raise
+
+    request = Request(path, fingerprint, CreateOptions(max_bytes, None, variants, max_shapes))
+    store = open_cache(request, Source(len(dataset), fetch, deterministic=deterministic))
     if not store.writable:
-        store.close()
+        _release(store)
         raise CacheReadOnlyError(f"the cache at {path} is read-only for this process (file permissions or a "
                                  "read-only mount); run the build as the cache's owner")
     return store
 
 
-def _mark_stale(path: str, fraction: float) -> int:
-    from .dataset import MmapCachedDataset
+def _release(store: Store) -> None:
+    store.close()
+    store.detach()
 
-    with MmapCachedDataset(path) as ds:
-        return ds.refresh(fraction=fraction)
+
+def _mark_stale(store: Store, fraction: float, seed: int | None) -> int:
+    """Marks a random ``fraction`` of the filled rows stale (``seed`` None: a fresh choice every call)."""
+    filled = np.flatnonzero(store.state.filled_mask())
+    rows = np.random.default_rng(seed).choice(filled, size=int(round(fraction * len(filled))), replace=False)
+    return store.state.mark_stale(rows)
 
 
 class _Driver:

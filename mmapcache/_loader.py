@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
-import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
-if TYPE_CHECKING:
-    from .dataset import MmapCachedDataset
+
+class BatchReader(Protocol):
+    """What the loader needs of a dataset (``MmapCachedDataset`` provides it)."""
+
+    transform: Any
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def reads_batches(self) -> bool: ...
+
+    def read_batch(self, indices: Sequence[int] | np.ndarray, epoch: int | None = None) -> Any: ...
+
+    def __len__(self) -> int: ...
 
 # DataLoader arguments that describe batching; the rest pass through unchanged.
 _BATCHING = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator")
 
 
-def make_loader(ds: MmapCachedDataset, **kwargs: Any) -> DataLoader:
-    reader = ds._ensure_open()
-    if kwargs.get("collate_fn") is not None or ds.transform is not None or reader.variable:
-        return DataLoader(ds, **kwargs)
+def make_loader(ds: BatchReader, **kwargs: Any) -> DataLoader:
+    if kwargs.get("collate_fn") is not None or not ds.reads_batches:
+        return DataLoader(ds, **kwargs)  # type: ignore[arg-type]
     batch_size = kwargs.pop("batch_size", 1)
     shuffle = kwargs.pop("shuffle", False)
     sampler = kwargs.pop("sampler", None)
@@ -28,7 +39,8 @@ def make_loader(ds: MmapCachedDataset, **kwargs: Any) -> DataLoader:
     kwargs.pop("collate_fn", None)
     if batch_sampler is None:
         if batch_size is None:
-            return DataLoader(ds, batch_size=None, shuffle=shuffle, sampler=sampler, generator=generator, **kwargs)
+            return DataLoader(ds, batch_size=None, shuffle=shuffle, sampler=sampler, generator=generator,  # type: ignore[arg-type]
+                              **kwargs)
         if sampler is None:
             sampler = RandomSampler(ds, generator=generator) if shuffle else SequentialSampler(ds)
         elif shuffle:
@@ -69,7 +81,7 @@ class _EpochBatches(Sampler):
     """Yields ``(epoch, indices)``: the epoch is read in the main process when iteration starts, so the variant
     choice reaches persistent workers too."""
 
-    def __init__(self, batch_sampler: Any, ds: MmapCachedDataset) -> None:
+    def __init__(self, batch_sampler: Any, ds: BatchReader) -> None:
         self.batch_sampler = batch_sampler
         self.ds = ds
 
@@ -85,25 +97,13 @@ class _EpochBatches(Sampler):
 class _Batches(Dataset):
     """Maps ``(epoch, indices)`` to the collated batch."""
 
-    def __init__(self, ds: MmapCachedDataset) -> None:
+    def __init__(self, ds: BatchReader) -> None:
         self.ds = ds
 
     def __getitem__(self, key: tuple[int, list[int]]) -> Any:
         epoch, indices = key
-        ds = self.ds
-        reader = ds._ensure_open()
-        in_worker = torch.utils.data.get_worker_info() is not None
-        columns = ds._gather(ds._indices(indices), epoch, _alloc_shared if in_worker else np.empty)
-        return reader.collate(columns)
+        return self.ds.read_batch(indices, epoch)
 
     def __len__(self) -> int:
         return len(self.ds)
 
-
-def _alloc_shared(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A numpy array over a fresh shared-memory tensor storage: a worker's batch then crosses to the main process
-    without the copy that sending an ordinary tensor costs (torch's default collate does the same)."""
-    tensor = torch.from_numpy(np.empty(0, dtype))
-    count = int(np.prod(shape, dtype=np.int64))
-    storage = tensor.untyped_storage()._new_shared(count * dtype.itemsize)  # noqa: SLF001 - as torch's collate does
-    return tensor.new(storage).view(-1)[:count].view(shape).numpy() if count else np.empty(shape, dtype)

@@ -1,4 +1,4 @@
-"""Validating ``MmapCachedDataset``'s arguments and planning a new cache's slots; the variant hash."""
+"""Validating ``MmapCachedDataset``'s arguments and planning a new cache's slots."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from ._layout import Layout
 from ._sizes import parse_size
 
 STALE_MODES = ("recompute", "serve")
-VARIANT_CHOICES = ("epoch", "random")
 
 
 class CreateOptions:
@@ -100,22 +99,3 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
     return value
 
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix(seed: int, epoch: int, index: int) -> int:
-    """splitmix64 of (seed, epoch, index): a cheap, well-spread per-sample variant choice."""
-    z = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def mix_array(seed: int, epoch: int, idx: np.ndarray) -> np.ndarray:
-    """``mix`` over an array of indices (uint64 arithmetic wraps like the masked Python version)."""
-    base = np.uint64((seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9) & _MASK64)
-    z = base + idx.astype(np.uint64) * np.uint64(0x94D049BB133111EB)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))

@@ -18,12 +18,21 @@ import operator
 import os
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .dataset import MmapCachedDataset
+
+class Fillable(Protocol):
+    """What ``prefill`` needs of a dataset (``MmapCachedDataset`` provides it)."""
+
+    path: str
+
+    def cacheable_indices(self) -> np.ndarray: ...
+
+    def missing_indices(self, indices: Sequence[int] | np.ndarray | None = None) -> np.ndarray: ...
+
+    def fill(self, indices: Sequence[int] | None = None) -> int: ...
 
 __all__ = ["local_rank_and_size", "prefill"]
 
@@ -56,7 +65,7 @@ def local_rank_and_size(path: str | None = None) -> tuple[int, int]:
 
 
 def prefill(
-    ds: MmapCachedDataset,
+    ds: Fillable,
     *,
     rank: int | None = None,
     world_size: int | None = None,
@@ -94,7 +103,7 @@ def prefill(
         rank, world_size = _checked(_as_int(rank, "rank"), _as_int(world_size, "world_size"), "rank/world_size")
     if isinstance(patience, bool) or not isinstance(patience, (int, float)) or patience < 0:
         raise ValueError(f"patience must be a number of seconds >= 0, got {patience!r}")
-    indices = _cacheable(ds)
+    indices = ds.cacheable_indices()
     stored = ds.fill(indices[rank::world_size])
     if not barrier:
         return stored
@@ -105,30 +114,19 @@ def prefill(
     return stored + _wait_filled(ds, indices, patience)
 
 
-def _cacheable(ds: MmapCachedDataset) -> np.ndarray:
-    """The source indices the cache can hold, in slot order."""
-    store = ds._store
-    if store.slot_index is not None:
-        return np.asarray(store.slot_index, dtype=np.int64)
-    return np.arange(store.slots, dtype=np.int64)
-
-
-def _wait_filled(ds: MmapCachedDataset, indices: np.ndarray, patience: float) -> int:
+def _wait_filled(ds: Fillable, indices: np.ndarray, patience: float) -> int:
     """Waits until the rows the next epoch reads are all filled; fills the rest after ``patience`` idle seconds."""
-    state = ds._ensure_open().state
-    rows = ds._rows(indices, ds.epoch)
     missing_count = -1
     last_progress = time.monotonic()
     while True:
-        missing = ~state.filled_rows(rows) | state.stale_rows(rows)
-        count = int(missing.sum())
-        if count == 0:
+        missing = ds.missing_indices(indices)
+        if len(missing) == 0:
             return 0
         now = time.monotonic()
-        if count != missing_count:
-            missing_count, last_progress = count, now
+        if len(missing) != missing_count:
+            missing_count, last_progress = len(missing), now
         elif now - last_progress >= patience:
-            return ds.fill(indices[missing])
+            return ds.fill(missing)
         time.sleep(_POLL)
 
 

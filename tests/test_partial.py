@@ -117,7 +117,7 @@ def test_reopen_uses_the_recorded_choice_and_rejects_another(cache_path: str) ->
         assert ds.num_cacheable == k
     with MmapCachedDataset(cache_path) as ds:  # no source at all
         assert ds.num_cacheable == k
-        with pytest.raises(SampleNotCachedError, match=f"sample {N - 1} is not in the cache"):
+        with pytest.raises(SampleNotCachedError, match=f"sample {N - 1} is not cacheable in the cache"):
             ds[N - 1]
     with MmapCachedDataset(cache_path, source, max_bytes="8K") as ds:  # the same option: the same choice
         assert ds.num_cacheable == k

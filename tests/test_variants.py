@@ -45,13 +45,15 @@ def test_each_sample_has_k_distinct_versions_repeated_every_k_epochs(cache_path:
         calls = read_calls(log)
         # Exactly K source calls per sample over 2K epochs (the layout probe at creation was version 0 of 0).
         assert sorted(calls) == sorted(list(range(N)) * K)
-        assert ds.num_cached == N * K
+        for epoch in range(K):  # num_cached counts samples whose variant for the current epoch is stored
+            ds.set_epoch(epoch)
+            assert ds.num_cached == N
 
 
 def test_random_choice_is_seeded_per_sample_and_covers_versions(cache_path: str, tmp_path: Any) -> None:
     log = str(tmp_path / "calls")
     with MmapCachedDataset(cache_path, RandomAugment(N, log), variants=K, variant_choice="random", seed=3) as ds:
-        rows = {e: [ds._row(i, e) for i in range(N)] for e in range(8)}
+        rows = {e: [ds._rows.row(i, e) for i in range(N)] for e in range(8)}
         variants = {e: [r % K for r in rows[e]] for e in rows}
         # Per sample, not one version for everyone: some epoch serves different versions to different samples.
         assert any(len(set(v)) > 1 for v in variants.values())
@@ -61,11 +63,11 @@ def test_random_choice_is_seeded_per_sample_and_covers_versions(cache_path: str,
             first = [ds[i] for i in range(N)]
             assert all(sample_equal(a, b) for a, b in zip(first, ds.__getitems__(list(range(N)))))
         other = MmapCachedDataset(cache_path, RandomAugment(N), variant_choice="random", seed=3)
-        assert [[other._row(i, e) for i in range(N)] for e in range(8)] == [rows[e] for e in range(8)]
+        assert [[other._rows.row(i, e) for i in range(N)] for e in range(8)] == [rows[e] for e in range(8)]
         other.close()
         # The batch path chooses exactly as the single-sample path does.
         idx = np.arange(N)
-        assert all(ds._rows(idx, e).tolist() == rows[e] for e in range(8))
+        assert all(ds._rows.rows_of(idx, e).tolist() == rows[e] for e in range(8))
 
 
 def _epoch_images(loader: DataLoader, ds: MmapCachedDataset, epochs: list[int]) -> dict[int, dict[int, torch.Tensor]]:

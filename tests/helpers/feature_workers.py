@@ -115,7 +115,8 @@ def rewrite_loop(path: str, n: int, shape: tuple[int, ...], worker: int, barrier
                  seconds: float, result: Any) -> None:
     """A writer: repeatedly marks a few samples stale and rewrites them with a new version (``refresh`` then
     ``fill``). Puts ``("writer", worker, rounds, stored)`` on ``result``."""
-    ds = MmapCachedDataset(path, Versioned(n, shape, base=1_000_000 * (worker + 1)), stale="serve")
+    ds = MmapCachedDataset(path, Versioned(n, shape, base=1_000_000 * (worker + 1)), stale="serve",
+                           deterministic=False)
     rng = random.Random(worker)
     if not wait_for(barrier, 60):
         result.put(("writer", worker, -1, -1))
@@ -136,7 +137,8 @@ def check_loop(path: str, n: int, shape: tuple[int, ...], worker: int, barrier: 
     """A reader (``stale="serve"``): checks every sample it receives, through ``ds[i]`` and ``__getitems__``.
     Puts ``("reader", worker, checks, torn)`` on ``result``."""
     # A reader whose copy loses the race computes the sample itself: give it versions no writer uses.
-    ds = MmapCachedDataset(path, Versioned(n, shape, base=500_000 + 1_000_000 * (worker + 1)), stale="serve")
+    ds = MmapCachedDataset(path, Versioned(n, shape, base=500_000 + 1_000_000 * (worker + 1)), stale="serve",
+                           deterministic=False)
     rng = random.Random(1000 + worker)
     if not wait_for(barrier, 60):
         result.put(("reader", worker, -1, -1))
@@ -163,9 +165,9 @@ def die_mid_write(path: str, n: int, shape: tuple[int, ...], index: int, started
     It goes through the real publication protocol (``SlotState.publish``) with a write that stores the first
     half of a new version, so the kill lands mid-rewrite deterministically.
     """
-    ds = MmapCachedDataset(path, Versioned(n, shape, base=7_000_000))
+    ds = MmapCachedDataset(path, Versioned(n, shape, base=7_000_000), deterministic=False)
     reader = ds._ensure_open()
-    row = ds._row(index, ds.epoch)
+    row = ds._rows.row(index, ds.epoch)
     image = np.asarray(versioned_sample(index, 7_000_001, shape)[0]).reshape(-1)
     data = reader.data[0].reshape(reader.data[0].shape[0], -1)
 
@@ -180,7 +182,7 @@ def die_mid_write(path: str, n: int, shape: tuple[int, ...], index: int, started
 
 def rewrite_forever(path: str, n: int, shape: tuple[int, ...], ready: str, seconds: float) -> None:
     """Rewrites every sample again and again (``refresh`` + ``fill``), large rows, until killed or the deadline."""
-    ds = MmapCachedDataset(path, Versioned(n, shape, base=8_000_000), stale="serve")
+    ds = MmapCachedDataset(path, Versioned(n, shape, base=8_000_000), stale="serve", deterministic=False)
     with open(ready, "w"):
         pass
     deadline = time.monotonic() + seconds

@@ -75,3 +75,20 @@ def sample_equal(a: Any, b: Any) -> bool:
     if isinstance(a, float):
         return a == b or (a != a and b != b)
     return a == b
+
+
+class Scaled(Dataset):
+    """``(float image * scale, label)``: the same indices and layout for every ``scale``, other values (a source
+    whose preprocessing changed)."""
+
+    def __init__(self, n: int = 16, scale: float = 1.0, log: str | None = None) -> None:
+        self.n, self.scale, self.log = n, scale, log
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        if self.log is not None:
+            with open(self.log, "a") as f:
+                f.write(f"{index}\n")
+        return image_of(index).float() * self.scale, index % 10

@@ -1,0 +1,277 @@
+"""Opening a cache, or creating it: the one protocol behind ``MmapCachedDataset`` and ``build``.
+
+An opener with a source either finds a cache at the path and checks that it was made from the same source, or
+creates one. The checks, cheapest first:
+
+1. recorded facts: length, fingerprint, variants, the cacheable indices (``max_bytes``/``cache_indices``) and the
+   declared ``max_shapes``;
+2. the stored first sample, when the opener gives no fingerprint: the source computes it again, and its layout
+   and bytes must equal the stored copy (a changed source without a fingerprint would otherwise be served stale).
+   A fingerprint that matches is trusted instead, so a warm rerun with a fingerprint calls the source 0 times.
+   Sources declared non-deterministic, and caches of several variants (a random source by design), are checked
+   for layout only; a fingerprinted cache then needs the fingerprint.
+
+Creation happens under the parent directory's lock (``_create.parent_lock``): the first opener computes the
+first sample there, stores it in the cache under its temporary name, and renames the cache into place; openers
+racing it wait for the lock and then find the cache, so only one process computes that sample.
+
+A process that reopens a cache it used before (a DataLoader worker, a reopen after ``close``) passes the
+``identity`` it saw; a cache replaced meanwhile by one of another source is then refused, never served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from . import _admin, _create
+from ._layout import Layout
+from ._options import CreateOptions
+from ._reader import RowReader
+from ._rows import RowMap
+from ._store import Store
+from .errors import CacheMismatchError, CacheNotFoundError, LayoutError
+
+__all__ = ["Source", "Request", "open_cache", "identity"]
+
+_ATTEMPTS = 3  # a delete_on_close cache removed by its last user while we open it: create it anew, a few times
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What opening needs of a source dataset.
+
+    Attributes:
+        length: ``len(source)``.
+        fetch: computes sample ``i`` (the source's exceptions propagate, annotated with the index).
+        check: ``(reader, sample, index) -> values`` flattens and checks a sample for storing; default
+            ``reader.check`` (the dataset adds its ``check_finite``).
+        deterministic: whether the source returns the same bytes for the same index every time (see above).
+    """
+
+    length: int
+    fetch: Callable[[int], Any]
+    check: Callable[[RowReader, Any, int], list[Any]] | None = None
+    deterministic: bool = True
+
+    def values(self, reader: RowReader, sample: Any, index: int) -> list[Any]:
+        return self.check(reader, sample, index) if self.check is not None else reader.check(sample, index)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the opener asks for (see ``MmapCachedDataset`` for each option)."""
+
+    path: str
+    fingerprint: str | None = None
+    options: CreateOptions = dataclasses.field(default_factory=lambda: CreateOptions(None, None, None, None))
+    overwrite: bool = False
+    delete_on_close: bool = False
+    variant_choice: str = "epoch"
+    seed: int = 0
+
+
+def identity(store: Store) -> dict[str, Any]:
+    """What makes two caches interchangeable for a reader: the source's facts and the sample layout (not the
+    creation time: a cache removed and built again from the same source serves the same samples)."""
+    meta = store.meta
+    ident = {key: meta[key] for key in ("length", "slots", "variants", "fingerprint", "structure")}
+    ident["fields"] = [{k: v for k, v in f.items() if k not in ("file", "shape_file")} for f in meta["fields"]]
+    ident["slot_index"] = None if store.slot_index is None else \
+        hashlib.sha256(np.ascontiguousarray(store.slot_index).tobytes()).hexdigest()
+    return ident
+
+
+def open_cache(request: Request, source: Source | None, *, expected: dict[str, Any] | None = None) -> Store:
+    """Opens (or, with a source, creates) the cache ``request.path``; returns it registered as used.
+
+    Args:
+        request: the path and the options.
+        source: the source dataset, or None to open an existing cache read-only for misses.
+        expected: the ``identity`` this process saw before (a reopen); a cache that differs raises
+            ``CacheMismatchError``. An existing cache is then compared with it alone: the source was checked
+            when the cache was first opened, so a reopening worker never computes a sample to check it.
+
+    Raises:
+        CacheNotFoundError: no cache and no source.
+        CacheMismatchError: the cache was made from another source (and ``overwrite`` is off), or differs
+            from ``expected``.
+        LayoutError: the source's first sample cannot be stored.
+    """
+    for attempt in range(_ATTEMPTS):
+        try:
+            store = _open_or_create(request, None if expected is not None and os.path.exists(request.path)
+                                    else source)
+            try:
+                if expected is not None and identity(store) != expected:
+                    raise CacheMismatchError(_replaced_message(request.path, expected, identity(store)))
+                store.attach()
+            except BaseException:
+                store.close()
+                raise
+            return store
+        except CacheNotFoundError:
+            if source is None or attempt == _ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _open_or_create(request: Request, source: Source | None) -> Store:
+    path = request.path
+    if source is None or os.path.exists(path):
+        store = Store(path)
+        if source is None:
+            return store
+        problem = _mismatch(store, request, source)
+        if problem is None:
+            return store
+        store.close()
+        if not request.overwrite:
+            raise CacheMismatchError(_mismatch_message(path, problem))
+    with _create.parent_lock(path):
+        _admin.sweep(os.path.dirname(path))
+        if os.path.exists(path):  # another process created it meanwhile (or it is the mismatched one)
+            store = Store(path)
+            problem = _mismatch(store, request, source)
+            if problem is None:
+                store.attach()  # under the lock: a sweep by another creator must see it used
+                return store
+            store.close()
+            if not request.overwrite:
+                raise CacheMismatchError(_mismatch_message(path, problem, just_created=True))
+            _admin.remove(path)
+        _create_locked(request, source)
+        store = Store(path)
+        store.attach()
+    return store
+
+
+def first_index(options: CreateOptions) -> int:
+    """The first cacheable index of a new cache (the sample its creator computes and stores)."""
+    return int(options.cache_indices[0]) if options.cache_indices is not None else 0
+
+
+def _create_locked(request: Request, source: Source) -> None:
+    """Computes the first sample, learns the layout from it, and creates the cache. Caller holds the lock."""
+    index = first_index(request.options)
+    sample = source.fetch(index)
+    try:
+        layout = Layout.from_sample(sample, request.options.max_shapes)
+    except LayoutError as exc:
+        raise LayoutError(f"sample {index}: {exc}") from None
+    slots, slot_index, variants = request.options.plan(layout, source.length)
+
+    def store_first(directory: str) -> None:
+        # In the cache still under its temporary name, so no opener ever finds this sample missing.
+        store = Store(directory, writable=True)
+        try:
+            reader = RowReader(store, recompute_stale=True)
+            values = source.values(reader, sample, index)
+            row = RowMap.of(store, variant_choice=request.variant_choice, seed=request.seed).row(index, 0)
+            store.state.publish(row, lambda: reader.write(row, values))
+        finally:
+            store.close()
+
+    _create.create(
+        request.path, layout, length=source.length, slots=slots, variants=variants, slot_index=slot_index,
+        fingerprint=request.fingerprint, delete_on_close=request.delete_on_close, library_version=_version(),
+        prepare=store_first,
+    )
+
+
+# --- is it the same source? -------------------------------------------------------------------------------------
+
+
+def _mismatch(store: Store, request: Request, source: Source) -> str | None:
+    """Why the cache at ``store`` cannot serve ``source``, or None."""
+    meta, options = store.meta, request.options
+    if meta["length"] != source.length:
+        return f"length {meta['length']} in the cache, {source.length} in the dataset"
+    if request.fingerprint is not None and meta["fingerprint"] != request.fingerprint:
+        return f"fingerprint {meta['fingerprint']!r} in the cache, {request.fingerprint!r} given"
+    if options.variants is not None and options.variants != meta["variants"]:
+        return f"variants={meta['variants']} in the cache, variants={options.variants} given"
+    if options.max_bytes is not None or options.cache_indices is not None:
+        # Compare what the options decide (which indices are cacheable), not the numbers: any max_bytes at least
+        # as large as the cache matches a cache that holds every sample.
+        slots, index, _ = options.plan(store.layout, source.length, meta["variants"])
+        wanted = np.arange(slots) if index is None else index
+        have = np.arange(store.slots) if store.slot_index is None else store.slot_index
+        if not np.array_equal(wanted, have):
+            given = ", ".join(f"{name}={value}" for name, value in (
+                ("max_bytes", options.max_bytes),
+                ("cache_indices", None if options.cache_indices is None else f"<{len(options.cache_indices)} indices>"),
+            ) if value is not None)
+            which = "a chosen subset" if store.slot_index is not None else "the first ones"
+            return (f"{store.slots} cacheable samples ({which}) in the cache, {slots} "
+                    f"({'a chosen subset' if index is not None else 'the first ones'}) with {given}; open it without "
+                    "max_bytes/cache_indices to use the recorded ones")
+    if options.max_shapes is not None:
+        have_shapes = {f.name: f.shape for f in store.layout.fields if f.variable}
+        if have_shapes != options.max_shapes:
+            return f"max_shapes {have_shapes or None} in the cache, {options.max_shapes} given"
+    if request.fingerprint is not None:
+        return None  # a matching fingerprint identifies the source: no need to compute a sample
+    return _sample_mismatch(store, request, source)
+
+
+def _sample_mismatch(store: Store, request: Request, source: Source) -> str | None:
+    rows = RowMap.of(store, variant_choice=request.variant_choice, seed=request.seed)
+    index = int(rows.cacheable()[0]) if store.slots else 0
+    sample = source.fetch(index)
+    reader = RowReader(store, recompute_stale=True)
+    try:
+        fresh = source.values(reader, sample, index)
+    except LayoutError as exc:
+        return f"the sample layout differs ({exc})"
+    comparable = source.deterministic and store.variants == 1
+    if not comparable:
+        if meta_fingerprint := store.meta["fingerprint"]:
+            return (f"fingerprint {meta_fingerprint!r} in the cache, none given, and the source cannot be compared "
+                    f"sample by sample ({'declared non-deterministic' if not source.deterministic else 'several variants'})"
+                    f"; pass fingerprint={meta_fingerprint!r}")
+        return None
+    stored = reader.read_values(rows.row(index, 0)) if store.slots else None
+    if stored is None:
+        return None  # not stored (yet), or being rewritten: nothing to compare with
+    field = differing_field(store.layout, stored, fresh)
+    if field is None:
+        return None
+    return (f"sample {index} computed now differs from the stored copy in field {field!r} (a changed source, or "
+            "one that is not deterministic); give the source a fingerprint= that changes with it, or declare a "
+            "random source with deterministic=False")
+
+
+def differing_field(layout: Layout, stored: list[Any], fresh: list[Any]) -> str | None:
+    """The name of the first field whose stored value differs from a freshly checked one (bytes and shape)."""
+    for field, a, b in zip(layout.fields, stored, fresh):
+        a = np.asarray(a, dtype=field.np_dtype)
+        b = np.asarray(b, dtype=field.np_dtype)
+        if a.shape != b.shape or a.tobytes() != b.tobytes():
+            return field.name
+    return None
+
+
+def _mismatch_message(path: str, problem: str, just_created: bool = False) -> str:
+    when = ", just created by another process," if just_created else ""
+    return (f"the cache at {path}{when} was made from a different source: {problem}. Pass overwrite=True to replace "
+            f"it, remove it (`mmapcache rm {path}`), or use another path")
+
+
+def _replaced_message(path: str, expected: dict[str, Any], found: dict[str, Any]) -> str:
+    key = next(k for k in expected if expected[k] != found.get(k))
+    detail = f"{key} {expected[key]!r} before, {found.get(key)!r} now" if key in ("length", "slots", "variants",
+                                                                                  "fingerprint") else f"its {key} differ"
+    return (f"the cache at {path} was replaced by one of another source since this dataset opened it ({detail}); "
+            "this process refuses to serve it. Open the dataset again (with overwrite=True to replace it back), or "
+            "use separate paths for separate sources")
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__

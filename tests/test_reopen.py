@@ -1,0 +1,201 @@
+"""Opening a cache again: a changed source is refused, not served stale; the first sample is computed once; a
+cache replaced by another source's job is refused in every process; indices are range-checked before any cast."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from helpers.sources import Counting, ImageLabels, Scaled, sample_equal
+from mmapcache import CacheMismatchError, MmapCachedDataset, SampleNotCachedError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _calls(log: str) -> list[int]:
+    if not os.path.exists(log):
+        return []
+    with open(log) as f:
+        return [int(line) for line in f]
+
+
+# --- a changed source without a fingerprint ------------------------------------------------------------------------
+
+
+def test_changed_source_without_fingerprint_is_refused(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Scaled(8, scale=1.0)) as ds:
+        ds.fill()
+    with pytest.raises(CacheMismatchError, match=r"sample 0 computed now differs .* field '0'.*fingerprint=.*"
+                                                 r"deterministic=False.*overwrite=True"):
+        MmapCachedDataset(cache_path, Scaled(8, scale=2.0))
+    # The unchanged source is accepted, and serves the stored samples.
+    with MmapCachedDataset(cache_path, Scaled(8, scale=1.0)) as ds:
+        assert sample_equal(ds[3], Scaled(8, scale=1.0)[3])
+    # overwrite=True replaces it with the new source's samples.
+    with MmapCachedDataset(cache_path, Scaled(8, scale=2.0), overwrite=True) as ds:
+        assert sample_equal(ds[3], Scaled(8, scale=2.0)[3])
+
+
+def test_nondeterministic_source_is_checked_for_layout_only(cache_path: str) -> None:
+    MmapCachedDataset(cache_path, Scaled(8, scale=1.0)).close()
+    with MmapCachedDataset(cache_path, Scaled(8, scale=3.0), deterministic=False) as ds:
+        assert sample_equal(ds[0], Scaled(8, scale=1.0)[0])  # the stored copy, as declared acceptable
+    with pytest.raises(CacheMismatchError, match="layout differs"):
+        MmapCachedDataset(cache_path, ImageLabels(8), deterministic=False)  # uint8 where float32 was stored
+
+
+def test_fingerprintless_opener_of_a_fingerprinted_cache_must_match_its_first_sample(cache_path: str) -> None:
+    MmapCachedDataset(cache_path, Scaled(8, scale=1.0), fingerprint="A").close()
+    # Another source without a fingerprint may not read, and so never writes, into A's cache.
+    with pytest.raises(CacheMismatchError, match="differs from the stored copy"):
+        MmapCachedDataset(cache_path, Scaled(8, scale=5.0))
+    # The same source without its fingerprint matches sample for sample, and may use it.
+    with MmapCachedDataset(cache_path, Scaled(8, scale=1.0)) as ds:
+        assert sample_equal(ds[5], Scaled(8, scale=1.0)[5])
+    # A source that cannot be compared (declared random) needs the fingerprint.
+    with pytest.raises(CacheMismatchError, match="pass fingerprint='A'"):
+        MmapCachedDataset(cache_path, Scaled(8, scale=1.0), deterministic=False)
+
+
+# --- the first sample is computed once ------------------------------------------------------------------------------
+
+
+def _racing_opener(path: str, n: int, log: str, go: str, fingerprint: str | None, out: Any) -> None:
+    torch.set_num_threads(1)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with MmapCachedDataset(path, Scaled(n, log=log), fingerprint=fingerprint) as ds:
+        ds.prefill(rank=out[0], world_size=2, barrier=False)
+        out[1].put(ds.num_cached)
+
+
+@pytest.mark.parametrize("fingerprint", ["v1", None])
+def test_racing_ranks_compute_the_first_sample_once(shm_dir: str, tmp_path: Any, fingerprint: str | None) -> None:
+    n = 60
+    path, log, go = os.path.join(shm_dir, "c"), str(tmp_path / "calls"), str(tmp_path / "go")
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_racing_opener, args=(path, n, log, go, fingerprint, (rank, results)))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    time.sleep(0.3)
+    open(go, "w").close()  # start barrier: both open at once
+    try:
+        counts = [results.get(timeout=60) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+    calls = _calls(log)
+    # One creator computed sample 0 (under the parent's lock); the other opened its cache. With a fingerprint the
+    # other trusts it; without one it recomputes sample 0 once to compare it with the stored copy.
+    assert sorted(calls) == sorted(list(range(n)) + ([] if fingerprint else [0]))
+    assert max(counts) <= n
+    # A warm rerun: with a fingerprint, no source call at all; without, one (the comparison).
+    os.remove(log)
+    MmapCachedDataset(path, Scaled(n, log=log), fingerprint=fingerprint).close()
+    assert _calls(log) == ([] if fingerprint else [0])
+
+
+# --- a cache replaced by another source's job -----------------------------------------------------------------------
+
+
+class _Indexed(torch.utils.data.Dataset):
+    def __init__(self, ds: MmapCachedDataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.ds[i]
+
+
+def test_replaced_cache_is_refused_by_spawned_workers_and_after_close(cache_path: str) -> None:
+    a = MmapCachedDataset(cache_path, Scaled(16, scale=1.0), fingerprint="A")
+    a.fill()
+    # Another job replaces it: same length and layout, another source.
+    MmapCachedDataset(cache_path, Scaled(16, scale=7.0), fingerprint="B", overwrite=True).fill()
+    loader = DataLoader(a, batch_size=4, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(CacheMismatchError, match=r"replaced by one of another source.*fingerprint 'A' before, 'B' now"):
+        list(loader)
+    # The dataset itself still maps A's (removed) files and serves A's samples; after close() it must reopen.
+    assert sample_equal(a[3], Scaled(16, scale=1.0)[3])
+    a.close()
+    with pytest.raises(CacheMismatchError, match="replaced by one of another source"):
+        a[3]
+
+
+def test_removed_cache_is_recreated_by_spawned_workers(cache_path: str) -> None:
+    source = ImageLabels(12)
+    ds = MmapCachedDataset(cache_path, source)
+    ds.fill()
+    loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="spawn", persistent_workers=False)
+    first = [b for b in loader]
+    _force_remove(cache_path)  # `mmapcache rm --force` while the dataset uses it
+    # Every process that has the source keeps serving correct samples: the main process from its mapping, a
+    # spawned worker (which opens the path anew) from a cache it creates again.
+    second = [b for b in loader]
+    assert all(sample_equal(x, y) for x, y in zip(first, second))
+    assert sample_equal(ds[7], source[7])
+    assert os.path.isdir(cache_path)  # re-created by the worker
+    ds.close()
+
+
+def _force_remove(path: str) -> None:
+    subprocess.run([sys.executable, "-m", "mmapcache", "rm", "--force", path], env=ENV, check=True, timeout=60)
+
+
+# --- indices and counts ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", ["getitems", "refresh", "fill", "missing"])
+def test_huge_unsigned_index_does_not_wrap(cache_path: str, call: str) -> None:
+    with MmapCachedDataset(cache_path, ImageLabels(8)) as ds:
+        huge = np.array([2**64 - 1], np.uint64)
+        with pytest.raises(IndexError, match="18446744073709551615 is out of range"):
+            {"getitems": ds.__getitems__, "refresh": lambda i: ds.refresh(indices=i), "fill": ds.fill,
+             "missing": ds.missing_indices}[call](huge)
+        with pytest.raises(IndexError, match="out of range"):
+            ds.__getitems__([2**70])  # a Python int beyond int64
+        with pytest.raises(IndexError):
+            ds[np.uint64(2**64 - 1)]
+        assert sample_equal(ds.__getitems__(np.array([7], np.uint64))[0], ImageLabels(8)[7])
+
+
+def test_num_cached_counts_samples_not_rows(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, ImageLabels(10), variants=4) as ds:
+        for epoch in range(4):
+            ds.set_epoch(epoch)
+            ds.fill()
+        assert ds.num_cached == 10 and len(ds) == 10
+
+
+def test_uncacheable_index_without_source_names_the_real_fix(cache_path: str) -> None:
+    MmapCachedDataset(cache_path, ImageLabels(20), cache_indices=[0, 1, 2]).close()
+    with MmapCachedDataset(cache_path) as ds:
+        with pytest.raises(SampleNotCachedError, match=r"not cacheable .* chose 3 of 20 .* MmapCachedDataset\(path, "
+                                                      r"dataset\)") as info:
+            ds[10]
+        assert "mmapcache build" not in str(info.value)  # a build can never fill an index the cache cannot hold
+
+
+def test_refresh_takes_numpy_fractions(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, ImageLabels(10)) as ds:
+        ds.fill()
+        assert ds.refresh(fraction=np.float32(0.5)) == 5
+        assert ds.refresh(fraction=np.float64(1.0)) == 5
