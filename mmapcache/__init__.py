@@ -19,6 +19,7 @@ from .errors import (
     SpecError,
     UnsupportedFileSystemError,
     UsageError,
+    WorkerStartError,
 )
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "UnsupportedFileSystemError",
     "BuildWorkerDiedError",
     "UsageError",
+    "WorkerStartError",
     "CacheReadOnlyWarning",
 ]
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
+import types
 from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
+
+from .errors import WorkerStartError
 
 
 class BatchReader(Protocol):
@@ -28,6 +33,7 @@ _BATCHING = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "
 
 
 def make_loader(ds: BatchReader, **kwargs: Any) -> DataLoader:
+    _check_workers_can_import(ds, kwargs)
     if kwargs.get("collate_fn") is not None or not ds.reads_batches:
         return DataLoader(ds, **kwargs)  # type: ignore[arg-type]
     batch_size = kwargs.pop("batch_size", 1)
@@ -57,6 +63,36 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> DataLoader:
         _Batches(ds), batch_size=None, sampler=_EpochBatches(batch_sampler, ds), collate_fn=_identity,
         generator=generator, **kwargs
     )
+
+
+def _check_workers_can_import(ds: BatchReader, kwargs: dict[str, Any]) -> None:
+    """Workers started by ``spawn``/``forkserver`` unpickle the dataset by importing what defined it. A class or
+    function defined in an interactive ``__main__`` (``python -c``, a notebook, stdin) cannot be imported there, and
+    torch then reports only "DataLoader worker exited unexpectedly": say what is wrong before starting them."""
+    if not kwargs.get("num_workers"):
+        return
+    context = kwargs.get("multiprocessing_context")
+    if context is None:
+        method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    else:
+        method = context if isinstance(context, str) else context.get_start_method()
+    main = sys.modules.get("__main__")
+    if method == "fork" or main is None or getattr(main, "__file__", None):
+        return  # fork copies the process; a script's __main__ is re-imported by the workers
+    parts = {"the source dataset": getattr(ds, "dataset", None), "transform": getattr(ds, "transform", None),
+             **{name: kwargs.get(name) for name in ("collate_fn", "worker_init_fn", "sampler", "batch_sampler")}}
+    for what, obj in parts.items():
+        if obj is None:
+            continue
+        # Classes and functions pickle by their own name; instances by their class's.
+        named = obj if isinstance(obj, (type, types.FunctionType)) else type(obj)
+        if named.__module__ == "__main__":
+            raise WorkerStartError(
+                f"{what} ({named.__qualname__}) is defined in an interactive "
+                f"__main__ (python -c, a notebook, stdin), which DataLoader workers started by {method!r} cannot "
+                "import; define it in a module (a .py file on the path) and import it, or use "
+                "multiprocessing_context='fork' (Linux), or num_workers=0"
+            )
 
 
 def _identity(batch: Any) -> Any:

@@ -22,6 +22,7 @@ __all__ = [
     "UnsupportedFileSystemError",
     "BuildWorkerDiedError",
     "UsageError",
+    "WorkerStartError",
     "CacheReadOnlyWarning",
 ]
 
@@ -93,6 +94,11 @@ class BuildWorkerDiedError(MmapCacheError, RuntimeError):
 
 class UsageError(MmapCacheError, ValueError):
     """A problem with the command line or a library argument given as text; printed as one line, exit status 2."""
+
+
+class WorkerStartError(MmapCacheError, RuntimeError):
+    """DataLoader workers cannot be started with this dataset (e.g. ``spawn`` cannot import what an interactive
+    ``__main__`` defines)."""
 
 
 class CacheReadOnlyWarning(UserWarning):

@@ -8,6 +8,9 @@ over threads copy the same bytes as one thread.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -190,3 +193,26 @@ def test_array_batches_follow_batch_sampler_order(cache_path: str) -> None:
         assert np.array_equal(labels, np.arange(50) * 7 % 10)  # sequential: every index once, in order
         unseeded = [b[1] for b in ds.loader(batch_size=16, shuffle=True)]
         assert sum(len(b) for b in unseeded) == 50
+
+
+def test_spawn_workers_and_an_interactive_main_get_a_clear_error(cache_path: str) -> None:
+    """``python -c`` defines the source in a ``__main__`` that spawned workers cannot import: the loader says so
+    instead of torch's "DataLoader worker exited unexpectedly"."""
+    code = textwrap.dedent(f"""
+        import torch
+        from torch.utils.data import Dataset
+        from mmapcache import MmapCachedDataset, WorkerStartError
+        class Src(Dataset):
+            def __len__(self): return 8
+            def __getitem__(self, i): return torch.full((3,), i), i
+        ds = MmapCachedDataset({cache_path!r}, Src())
+        assert len(list(ds.loader(batch_size=4, num_workers=1, multiprocessing_context="fork"))) == 2
+        try:
+            ds.loader(batch_size=4, num_workers=1, multiprocessing_context="spawn")
+        except WorkerStartError as exc:
+            print("refused:", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "refused: the source dataset (Src) is defined in an interactive __main__" in out.stdout
+    assert "define it in a module" in out.stdout

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from helpers.sources import Counting, ImageLabels, Scaled, sample_equal
+from helpers.sources import ImageLabels, Scaled, sample_equal
 from mmapcache import CacheMismatchError, MmapCachedDataset, SampleNotCachedError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
