@@ -68,7 +68,7 @@ def create(
     length: int,
     slots: int,
     variants: int,
-    slot_index: Sequence[int] | None,
+    slot_index: Sequence[int] | np.ndarray | None,
     fingerprint: str | None,
     delete_on_close: bool,
     library_version: str,

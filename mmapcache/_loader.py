@@ -5,7 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import sys
 import types
-from typing import Any, Iterator, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
@@ -105,7 +106,7 @@ class _ArrayBatches(BatchSampler):
     same random draws) that ``BatchSampler(sampler, ...)`` would produce."""
 
     def __iter__(self) -> Iterator[np.ndarray]:  # type: ignore[override]
-        count = len(self.sampler)
+        count = len(self.sampler)  # type: ignore[arg-type]  # RandomSampler and SequentialSampler are sized
         indices = np.fromiter(iter(self.sampler), np.int64, count=count)
         size = self.batch_size
         stop = count - count % size if self.drop_last else count

@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -231,9 +232,9 @@ def _sample_mismatch(store: Store, request: Request, source: Source) -> str | No
     comparable = source.deterministic and store.variants == 1
     if not comparable:
         if meta_fingerprint := store.meta["fingerprint"]:
+            why = "declared non-deterministic" if not source.deterministic else "several variants"
             return (f"fingerprint {meta_fingerprint!r} in the cache, none given, and the source cannot be compared "
-                    f"sample by sample ({'declared non-deterministic' if not source.deterministic else 'several variants'})"
-                    f"; pass fingerprint={meta_fingerprint!r}")
+                    f"sample by sample ({why}); pass fingerprint={meta_fingerprint!r}")
         return None
     stored = reader.read_values(rows.row(index, 0)) if store.slots else None
     if stored is None:
@@ -264,8 +265,10 @@ def _mismatch_message(path: str, problem: str, just_created: bool = False) -> st
 
 def _replaced_message(path: str, expected: dict[str, Any], found: dict[str, Any]) -> str:
     key = next(k for k in expected if expected[k] != found.get(k))
-    detail = f"{key} {expected[key]!r} before, {found.get(key)!r} now" if key in ("length", "slots", "variants",
-                                                                                  "fingerprint") else f"its {key} differ"
+    if key in ("length", "slots", "variants", "fingerprint"):
+        detail = f"{key} {expected[key]!r} before, {found.get(key)!r} now"
+    else:
+        detail = f"its {key} differ"
     return (f"the cache at {path} was replaced by one of another source since this dataset opened it ({detail}); "
             "this process refuses to serve it. Open the dataset again (with overwrite=True to replace it back), or "
             "use separate paths for separate sources")

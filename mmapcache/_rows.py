@@ -147,7 +147,7 @@ def check_index(index: object, length: int, where: str) -> int:
         if isinstance(index, (bool, float, np.bool_, np.floating)):
             raise TypeError(f"cache indices must be integers, not {type(index).__name__} ({index!r})")
         try:
-            i = operator.index(index)  # type: ignore[call-overload]
+            i = operator.index(index)  # type: ignore[arg-type]
         except TypeError:
             raise TypeError(f"cache indices must be integers, not {type(index).__name__}") from None
     if not -length <= i < length:

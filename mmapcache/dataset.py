@@ -9,7 +9,8 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,8 +68,8 @@ class MmapCachedDataset(Dataset):
     Pickling (DataLoader workers) carries the path, the source and the options, never the mapped data; each
     process maps the cache once, lazily, and refuses a cache replaced meanwhile by one of another source
     (``CacheMismatchError``). A process that opens the path after the cache was removed (a spawned worker, a
-    reopen after ``close``) creates it anew from its source; processes that had it mapped keep serving it. Reading is lock-free and safe in any number of processes and threads;
-    filling takes a short per-cache lock.
+    reopen after ``close``) creates it anew from its source; processes that had it mapped keep serving it.
+    Reading is lock-free and safe in any number of processes and threads; filling takes a short per-cache lock.
     """
 
     def __init__(
@@ -169,7 +170,8 @@ class MmapCachedDataset(Dataset):
         reader = self._reader  # kept across fork: the maps are shared, the lock reopens itself
         if reader is None:
             reader = self._ensure_open()
-        i = index if type(index) is int and 0 <= index < self._length else check_index(index, self._length, self._where())
+        n = self._length
+        i = index if type(index) is int and 0 <= index < n else check_index(index, n, self._where())
         row = self._rows.row(i, self._epoch)
         sample = reader.read(row) if row >= 0 else None
         if sample is None:
@@ -225,7 +227,8 @@ class MmapCachedDataset(Dataset):
         try:
             return self.dataset[index]
         except Exception as exc:
-            exc.add_note(f"mmapcache: raised by the source dataset computing sample {index} for the cache at {self.path}")
+            exc.add_note(f"mmapcache: raised by the source dataset computing sample {index} for the cache at "
+                         f"{self.path}")
             raise
 
     def _require_source(self, index: int, row: int) -> None:
@@ -332,16 +335,16 @@ class MmapCachedDataset(Dataset):
         if indices is not None:
             rows = self._rows.all_rows_of(check_indices(indices, self._length, self._where()))
         else:
-            if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, (int, float, np.integer, np.floating)) \
-                    or not 0 <= fraction <= 1:
+            number = (int, float, np.integer, np.floating)
+            if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, number) or not 0 <= fraction <= 1:
                 raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
             filled = np.flatnonzero(reader.state.filled_mask())
             # Seeded by (seed, epoch) only, as documented: every DDP rank calling it marks the same rows.
             rng = np.random.default_rng([self.seed, self._epoch])
-            rows = rng.choice(filled, size=int(round(float(fraction) * len(filled))), replace=False)
+            rows = rng.choice(filled, size=round(float(fraction) * len(filled)), replace=False)
         return reader.state.mark_stale(rows)
 
-    def fill(self, indices: Sequence[int] | None = None) -> int:
+    def fill(self, indices: Sequence[int] | np.ndarray | None = None) -> int:
         """Computes and stores every not-yet-filled or stale sample among ``indices`` (default: all cacheable
         ones), in this process, for the current epoch's variant. Returns how many this call stored.
 
@@ -360,7 +363,7 @@ class MmapCachedDataset(Dataset):
             row = self._rows.row(i, self._epoch)
             if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1:  # re-check: others fill too
                 values = self._checked(reader, self._fetch(i), i)
-                stored += state.publish(row, lambda: reader.write(row, values))
+                stored += state.publish(row, functools.partial(reader.write, row, values))
         return stored
 
     def prefill(self, *, rank: int | None = None, world_size: int | None = None, barrier: bool = True) -> int:
@@ -420,7 +423,7 @@ def _alloc_shared(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     without the copy that sending an ordinary tensor costs (torch's default collate does the same)."""
     tensor = torch.from_numpy(np.empty(0, dtype))
     count = int(np.prod(shape, dtype=np.int64))
-    storage = tensor.untyped_storage()._new_shared(count * dtype.itemsize)  # noqa: SLF001 - as torch's collate does
+    storage = tensor.untyped_storage()._new_shared(count * dtype.itemsize)
     return tensor.new(storage).view(-1)[:count].view(shape).numpy() if count else np.empty(shape, dtype)
 
 

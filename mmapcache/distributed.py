@@ -18,7 +18,8 @@ import operator
 import os
 import socket
 import time
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -32,7 +33,7 @@ class Fillable(Protocol):
 
     def missing_indices(self, indices: Sequence[int] | np.ndarray | None = None) -> np.ndarray: ...
 
-    def fill(self, indices: Sequence[int] | None = None) -> int: ...
+    def fill(self, indices: Sequence[int] | np.ndarray | None = None) -> int: ...
 
 __all__ = ["local_rank_and_size", "prefill"]
 
