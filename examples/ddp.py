@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node=2 examples/ddp.py                  # one machine, 2 processes
     torchrun --nnodes=2 --node-rank=0 --nproc-per-node=8 \\
-        --master-addr=HOST0 --master-port=29500 examples/ddp.py                # on the first node (node-rank=1 on the other)
+        --master-addr=HOST0 --master-port=29500 examples/ddp.py  # first node; node-rank=1 on the other
     srun --ntasks-per-node=8 python examples/ddp.py                           # under SLURM (see README)
 
 Every rank opens the same cache path. On one node that is one copy in its /dev/shm, shared by all its ranks
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
 from mmapcache import MmapCachedDataset
 
@@ -100,14 +100,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{ds.num_cached}/{len(ds)} cached at {ds.path}")
 
     sampler = DistributedSampler(ds, shuffle=True, seed=0)
-    loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
-                        persistent_workers=args.workers > 0)
+    # ds.loader, not DataLoader(ds, ...): it hands each batch the epoch that was current when the epoch's
+    # iteration began, so ds.set_epoch reaches persistent workers too (a plain DataLoader's persistent workers
+    # keep the copy of the dataset they started with, and would serve epoch 0's variant forever).
+    loader = ds.loader(batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
+                       persistent_workers=args.workers > 0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(source.dim, 32), nn.ReLU(),
                                                   nn.Linear(32, source.classes)).to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a different shuffle each epoch
-        ds.set_epoch(epoch)  # selects the stored variant (variants > 1); harmless otherwise
+        ds.set_epoch(epoch)  # selects the stored variant (variants > 1); reaches the workers through ds.loader
         losses = []
         for step, (features, labels) in enumerate(loader):
             if step == args.steps:
