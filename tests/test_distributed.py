@@ -18,6 +18,7 @@ import pytest
 
 from mmapcache import MmapCachedDataset
 from mmapcache.distributed import local_rank_and_size, prefill
+from helpers.processes import join_all, running
 from helpers.sources import Counting, ImageLabels
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -144,16 +145,8 @@ def test_prefill_without_process_group_waits_on_the_cache(cache_path: str, tmp_p
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(2)
     procs = [ctx.Process(target=_prefill_rank, args=(cache_path, log, r, 2, barrier)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(TIMEOUT)
-    assert codes == [0, 0]
+    with running(procs):
+        assert join_all(procs, TIMEOUT) == [0, 0]
     counted = calls(log)
     assert all(counted[i] == 1 for i in range(1, N)) and counted[0] == 2  # each rank probed sample 0 once
 

@@ -21,24 +21,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers import fault_workers as fw
+from helpers.processes import join_all, kill_alive
 from mmapcache import CacheReadOnlyError, CacheReadOnlyWarning, LayoutError, MmapCachedDataset
 from mmapcache import _admin, _create, _store
 from mmapcache._layout import Layout
 from helpers.sources import ImageLabels, image_of, sample_equal
 
 FORK = multiprocessing.get_context("fork")
-
-
-def _join_all(procs: list[Any], timeout: float) -> None:
-    """Joins every process within ``timeout`` seconds in total; kills and fails on a straggler."""
-    end = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, end - time.monotonic()))
-    stuck = [p for p in procs if p.is_alive()]
-    for p in stuck:
-        p.kill()
-        p.join(10)
-    assert not stuck, f"{len(stuck)} process(es) did not finish within {timeout} s"
 
 
 def _exit_report(procs: list[Any]) -> list[int | None]:
@@ -76,9 +65,7 @@ def test_kill_storm_leaves_only_correct_filled_rows(cache_path: str) -> None:
             odd_seen += int((seq & 1).sum())
         assert all(p.is_alive() for p in background), _exit_report(background)
     finally:
-        for p in background:
-            p.kill()
-            p.join(10)
+        kill_alive(background)
     assert kills >= 30
     # Every row whose bit is set and whose counter is even (what readers accept) holds the source's bytes.
     data, filled, seq = fw.raw_rows(cache_path)
@@ -117,10 +104,10 @@ def test_eight_writers_two_readers_no_lost_bit_no_torn_sample(cache_path: str, t
     for p in fillers + readers:
         p.start()
     try:
-        _join_all(fillers, 150)
+        join_all(fillers, 150)
     finally:
         stop.set()
-        _join_all(readers, 120)
+        join_all(readers, 120)
     assert _exit_report(fillers + readers) == [0] * 10
     for k in range(8):
         result = fw.read_result(str(tmp_path / f"w{k}"))
@@ -150,7 +137,7 @@ def test_eight_creators_end_up_on_one_cache(cache_path: str, tmp_path: Any) -> N
              for k in range(8)]
     for p in procs:
         p.start()
-    _join_all(procs, 180)
+    join_all(procs, 180)
     assert _exit_report(procs) == [0] * 8
     results = [fw.read_result(str(tmp_path / f"c{k}")) for k in range(8)]
     assert [r.get("error") for r in results] == [None] * 8
@@ -309,7 +296,7 @@ def test_readers_survive_removal_while_in_use(cache_path: str, tmp_path: Any) ->
         _remove_cache(half.path)
     finally:
         go.set()
-        _join_all(readers + [writer], 60)
+        join_all(readers + [writer], 60)
     assert _exit_report(readers + [writer]) == [0, 0, 0], "a process died (-7 is SIGBUS)"
     for k in range(2):
         result = fw.read_result(str(tmp_path / f"r{k}"))

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from mmapcache import CacheNotFoundError, MmapCachedDataset
 from mmapcache import _admin, _create, _format, _store
+from helpers.processes import join_all, running
 from helpers.sources import ImageLabels, sample_equal
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -244,15 +245,7 @@ def test_openers_racing_the_last_closer(cache_path: str) -> None:
     barrier = ctx.Barrier(2)
     deadline = time.monotonic() + 15  # bounds the loop on a loaded machine; the start barrier makes them overlap
     procs = [ctx.Process(target=_churn, args=(cache_path, barrier, 60, deadline)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(TIMEOUT)
-    assert codes == [0, 0]
+    with running(procs):
+        assert join_all(procs, TIMEOUT) == [0, 0]
     assert not os.path.exists(cache_path)
     assert os.listdir(os.path.dirname(cache_path)) == []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue as queue_module
 import random
 import signal
 import time
@@ -17,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers.core_workers import Big, Small, big_filler, concurrent_filler, interleaved_filler, read_all_by_path, slow_filler
+from helpers.processes import collect, join_all, kill_alive, running
 from mmapcache import MmapCachedDataset, SampleNotCachedError
 from helpers.sources import ImageLabels, sample_equal
 
@@ -24,35 +24,19 @@ START_METHODS = ["fork", "spawn", "forkserver"]
 
 
 def _get(q: Any, timeout: float = 120) -> Any:
-    try:
-        return q.get(timeout=timeout)
-    except queue_module.Empty:
-        pytest.fail(f"a child process reported nothing within {timeout} s")
+    return collect(q, 1, timeout)[0]
 
 
 def _stop(proc: Any) -> None:
-    """Joins a child with a timeout, killing it if it is still running (a test must never hang)."""
-    proc.join(timeout=60)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout=10)
-        pytest.fail(f"child process {proc.pid} did not finish in time")
+    join_all([proc], 60)
 
 
 def _run_all(procs: list[Any], q: Any) -> list[Any]:
     """Starts the children and collects one report from each; kills any still running if that fails."""
-    try:
-        for proc in procs:
-            proc.start()
-        reports = [_get(q) for _ in procs]
-        for proc in procs:
-            _stop(proc)
-        return reports
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
+    with running(procs):
+        reports = collect(q, len(procs), 120)
+        join_all(procs, 60)
+    return reports
 
 
 def _seq(path: str) -> np.ndarray:
@@ -190,9 +174,7 @@ def test_writer_killed_mid_write_leaves_the_row_unfilled_and_fixable(cache_path:
                     os.kill(proc.pid, signal.SIGKILL)
                     break
         proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=10)
+        kill_alive([proc])
         del seq
         after = _seq(cache_path)
         if len(odd) and after[odd[0]] % 2 == 1:

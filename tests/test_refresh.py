@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from helpers.processes import join_all
 from helpers.feature_workers import (
     RandomAugment,
     Versioned,
@@ -146,11 +147,7 @@ def _run(procs: list[Any], barrier: str, results: Any, timeout: float = 90) -> l
     except queue.Empty:
         pytest.fail("a worker process did not report in time")
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+        join_all(procs, 30)
         if os.path.exists(barrier):
             os.unlink(barrier)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from helpers.processes import collect, join_all, running
 from helpers.sources import ImageLabels, Scaled, sample_equal
 from mmapcache import CacheMismatchError, MmapCachedDataset, SampleNotCachedError
 
@@ -88,18 +89,11 @@ def test_racing_ranks_compute_the_first_sample_once(shm_dir: str, tmp_path: Any,
     results = ctx.Queue()
     procs = [ctx.Process(target=_racing_opener, args=(path, n, log, go, fingerprint, (rank, results)))
              for rank in range(2)]
-    for p in procs:
-        p.start()
-    time.sleep(0.3)
-    open(go, "w").close()  # start barrier: both open at once
-    try:
-        counts = [results.get(timeout=60) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
+    with running(procs):
+        time.sleep(0.3)
+        open(go, "w").close()  # start barrier: both open at once
+        counts = collect(results, len(procs), 60)
+        assert join_all(procs, 30) == [0, 0]
     calls = _calls(log)
     # One creator computed sample 0 (under the parent's lock); the other opened its cache. With a fingerprint the
     # other trusts it; without one it recomputes sample 0 once to compare it with the stored copy.
