@@ -107,7 +107,11 @@ class MmapCachedDataset(Dataset):
         self.deterministic = check_bool(deterministic, "deterministic")
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
-        self._epoch = 0
+        # The epoch lives in one shared-memory cell that every copy of this dataset reads: DataLoader workers,
+        # persistent ones too, forked (inherited mapping) or spawned (torch pickles a shared tensor as a handle to
+        # the same memory), so set_epoch in the main process reaches them all.
+        self._epoch_cell = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._epoch_view = memoryview(self._epoch_cell.numpy())
         self._reader: RowReader | None = None
         self._open_lock = threading.Lock()
         self._source_length = source_length(dataset) if dataset is not None else 0
@@ -149,7 +153,7 @@ class MmapCachedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_store", "_reader", "_rows", "_finalizer", "_open_lock"):
+        for key in ("_store", "_reader", "_rows", "_finalizer", "_open_lock", "_epoch_view"):
             state.pop(key, None)
         return state
 
@@ -157,6 +161,7 @@ class MmapCachedDataset(Dataset):
         self.__dict__.update(state)
         self._reader = None
         self._open_lock = threading.Lock()
+        self._epoch_view = memoryview(self._epoch_cell.numpy())
 
     # --- the sequence protocol ---------------------------------------------------------------------------------
 
@@ -172,7 +177,7 @@ class MmapCachedDataset(Dataset):
             reader = self._ensure_open()
         n = self._length
         i = index if type(index) is int and 0 <= index < n else check_index(index, n, self._where())
-        row = self._rows.row(i, self._epoch)
+        row = self._rows.row(i, self._epoch_view[0])
         sample = reader.read(row) if row >= 0 else None
         if sample is None:
             sample = self._miss(i, row)
@@ -184,7 +189,7 @@ class MmapCachedDataset(Dataset):
         idx = check_indices(indices, self._length, self._where())
         if reader.variable or len(idx) == 0:
             return [self[int(i)] for i in idx]
-        samples = reader.samples(self._gather(idx, self._epoch))
+        samples = reader.samples(self._gather(idx, self._epoch_view[0]))
         if self.transform is not None:
             samples = [self.transform(s) for s in samples]
         return samples
@@ -276,7 +281,7 @@ class MmapCachedDataset(Dataset):
     def is_cached(self, index: int) -> bool:
         """Whether sample ``index`` (for the current epoch's variant) is filled. Safe across processes."""
         reader = self._ensure_open()
-        row = self._rows.row(check_index(index, self._length, self._where()), self._epoch)
+        row = self._rows.row(check_index(index, self._length, self._where()), self._epoch_view[0])
         return row >= 0 and reader.state.is_filled(row)
 
     @property
@@ -284,7 +289,7 @@ class MmapCachedDataset(Dataset):
         """How many samples ``is_cached`` (their current epoch's variant is filled). Safe across processes;
         costs a scan of the cacheable samples."""
         reader = self._ensure_open()
-        rows = self._rows.rows_of(self._rows.cacheable(), self._epoch)
+        rows = self._rows.rows_of(self._rows.cacheable(), self._epoch_view[0])
         return int(reader.state.filled_rows(rows).sum())
 
     @property
@@ -298,12 +303,15 @@ class MmapCachedDataset(Dataset):
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return int(self._epoch_view[0])
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the variant served this epoch (``variants > 1``). Reaches DataLoader workers when they are
-        started for the epoch (non-persistent workers) and always through ``ds.loader()``."""
-        self._epoch = operator.index(epoch)
+        """Selects the variant served this epoch (``variants > 1``). Reaches every process that reads through a
+        copy of this dataset: DataLoader workers of any start method, persistent or not, and ``ds.loader()``'s."""
+        epoch = operator.index(epoch)
+        if not -(2**63) <= epoch < 2**63:
+            raise ValueError(f"epoch {epoch} does not fit in int64")
+        self._epoch_view[0] = epoch
 
     def cacheable_indices(self) -> np.ndarray:
         """The source indices the cache can hold, in slot order (int64)."""
@@ -314,7 +322,7 @@ class MmapCachedDataset(Dataset):
         stale. Safe across processes."""
         reader = self._ensure_open()
         idx = self._rows.cacheable() if indices is None else check_indices(indices, self._length, self._where())
-        rows = self._rows.rows_of(idx, self._epoch)
+        rows = self._rows.rows_of(idx, self._epoch_view[0])
         keep = rows >= 0
         idx, rows = idx[keep], rows[keep]
         state = reader.state
@@ -340,7 +348,7 @@ class MmapCachedDataset(Dataset):
                 raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
             filled = np.flatnonzero(reader.state.filled_mask())
             # Seeded by (seed, epoch) only, as documented: every DDP rank calling it marks the same rows.
-            rng = np.random.default_rng([self.seed, self._epoch])
+            rng = np.random.default_rng([self.seed, self._epoch_view[0]])
             rows = rng.choice(filled, size=round(float(fraction) * len(filled)), replace=False)
         return reader.state.mark_stale(rows)
 
@@ -360,7 +368,7 @@ class MmapCachedDataset(Dataset):
             )
         state, stored = reader.state, 0
         for i in todo.tolist():
-            row = self._rows.row(i, self._epoch)
+            row = self._rows.row(i, self._epoch_view[0])
             if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1:  # re-check: others fill too
                 values = self._checked(reader, self._fetch(i), i)
                 stored += state.publish(row, functools.partial(reader.write, row, values))
@@ -388,7 +396,7 @@ class MmapCachedDataset(Dataset):
         reader = self._ensure_open()
         idx = check_indices(indices, self._length, self._where())
         alloc = _alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
-        return reader.collate(self._gather(idx, self._epoch if epoch is None else epoch, alloc))
+        return reader.collate(self._gather(idx, self._epoch_view[0] if epoch is None else epoch, alloc))
 
     def loader(self, **kwargs: Any) -> torch.utils.data.DataLoader:
         """A DataLoader over the cache that gathers each batch straight into its final tensors.

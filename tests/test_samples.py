@@ -275,7 +275,7 @@ def test_dataset_pickle_carries_no_mapped_data(cache_path: str) -> None:
         copy.close()
     with MmapCachedDataset(cache_path) as ro:
         ro[3]
-        assert len(pickle.dumps(ro)) < 1000
+        assert len(pickle.dumps(ro)) < 2000  # path, options, the shared epoch cell: never the 800 KB of samples
         again = pickle.loads(pickle.dumps(ro))
         assert sample_equal(again[3], source[3])
         again.close()

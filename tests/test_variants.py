@@ -135,3 +135,40 @@ def test_bad_variants_are_rejected(cache_path: str, bad: Any) -> None:
 def test_bad_variant_choice_is_rejected(cache_path: str) -> None:
     with pytest.raises(ValueError, match="variant_choice must be one of 'epoch', 'random'"):
         MmapCachedDataset(cache_path, RandomAugment(N), variants=2, variant_choice="round-robin")
+
+
+class _Identity:
+    """A transform that changes nothing (module level: spawned workers import it); it sends ``ds.loader`` down its
+    fallback path, a plain DataLoader over the dataset."""
+
+    def __call__(self, sample: Any) -> Any:
+        return sample
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("how", ["plain", "loader-transform", "loader-collate"])
+def test_persistent_workers_see_set_epoch_in_every_configuration(cache_path: str, tmp_path: Any, start: str,
+                                                                  how: str) -> None:
+    """set_epoch reaches persistent workers of a plain DataLoader, and of ds.loader with transform= or collate_fn=
+    (which fall back to a plain DataLoader): every copy of the dataset reads one shared epoch cell."""
+    log = str(tmp_path / "calls")
+    transform = _Identity() if how == "loader-transform" else None
+    with MmapCachedDataset(cache_path, RandomAugment(N, log), variants=K, transform=transform) as ds:
+        ds.fill()  # every version stored first, so the workers only read
+        for epoch in range(1, K):
+            ds.set_epoch(epoch)
+            ds.fill()
+        kwargs: dict[str, Any] = dict(batch_size=4, num_workers=1, persistent_workers=True,
+                                      multiprocessing_context=start, timeout=120)
+        if how == "plain":
+            loader = DataLoader(ds, **kwargs)
+        elif how == "loader-collate":
+            loader = ds.loader(collate_fn=torch.utils.data.default_collate, **kwargs)
+        else:
+            loader = ds.loader(**kwargs)
+        epochs = [0, 1, K, K + 1]
+        per_epoch = _epoch_images(loader, ds, epochs)
+        for epoch in epochs:
+            ds.set_epoch(epoch)
+            assert all(torch.equal(ds[i][0], per_epoch[epoch][i]) for i in range(N)), (epoch, how, start)
+        assert not all(torch.equal(per_epoch[0][i], per_epoch[1][i]) for i in range(N))  # versions do differ
