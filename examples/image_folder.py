@@ -185,10 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     ds = MmapCachedDataset(args.cache, source, fingerprint=source.fingerprint(), transform=RandomCropFlip(args.crop))
-    already = ds.num_cached
     print(f"source: {len(source)} JPEGs under {source.folder}, resized to {args.size}x{args.size}, "
           f"random {args.crop}x{args.crop} crop + flip after the cache")
-    print(f"cache:  {ds.path} ({already} of {len(ds)} samples already cached)")
+    already = ds.num_cached
+    if ds.created:  # creating a cache computes and stores its first sample, to learn the layout
+        print(f"cache:  {ds.path} (new: sample 0 stored while creating it, {len(ds) - 1} to fill)")
+    else:
+        print(f"cache:  {ds.path} ({ds.num_cached} of {len(ds)} samples already cached)")
     loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
                         persistent_workers=args.workers > 0)
     times = []

@@ -317,7 +317,7 @@ def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, ma
             raise
 
     request = Request(path, fingerprint, CreateOptions(max_bytes, None, variants, max_shapes))
-    store = open_cache(request, Source(len(dataset), fetch, deterministic=deterministic))
+    store, _ = open_cache(request, Source(len(dataset), fetch, deterministic=deterministic))
     if not store.writable:
         _release(store)
         raise CacheReadOnlyError(f"the cache at {path} is read-only for this process (file permissions or a "

@@ -87,8 +87,10 @@ def identity(store: Store) -> dict[str, Any]:
     return ident
 
 
-def open_cache(request: Request, source: Source | None, *, expected: dict[str, Any] | None = None) -> Store:
-    """Opens (or, with a source, creates) the cache ``request.path``; returns it registered as used.
+def open_cache(request: Request, source: Source | None, *,
+               expected: dict[str, Any] | None = None) -> tuple[Store, bool]:
+    """Opens (or, with a source, creates) the cache ``request.path``; returns it registered as used, and whether
+    this call created it (and stored its first sample).
 
     Args:
         request: the path and the options.
@@ -105,8 +107,8 @@ def open_cache(request: Request, source: Source | None, *, expected: dict[str, A
     """
     for attempt in range(_ATTEMPTS):
         try:
-            store = _open_or_create(request, None if expected is not None and os.path.exists(request.path)
-                                    else source)
+            store, created = _open_or_create(request, None if expected is not None and os.path.exists(request.path)
+                                             else source)
             try:
                 if expected is not None and identity(store) != expected:
                     raise CacheMismatchError(_replaced_message(request.path, expected, identity(store)))
@@ -114,22 +116,22 @@ def open_cache(request: Request, source: Source | None, *, expected: dict[str, A
             except BaseException:
                 store.close()
                 raise
-            return store
+            return store, created
         except CacheNotFoundError:
             if source is None or attempt == _ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def _open_or_create(request: Request, source: Source | None) -> Store:
+def _open_or_create(request: Request, source: Source | None) -> tuple[Store, bool]:
     path = request.path
     if source is None or os.path.exists(path):
         store = Store(path)
         if source is None:
-            return store
+            return store, False
         problem = _mismatch(store, request, source)
         if problem is None:
-            return store
+            return store, False
         store.close()
         if not request.overwrite:
             raise CacheMismatchError(_mismatch_message(path, problem))
@@ -140,7 +142,7 @@ def _open_or_create(request: Request, source: Source | None) -> Store:
             problem = _mismatch(store, request, source)
             if problem is None:
                 store.attach()  # under the lock: a sweep by another creator must see it used
-                return store
+                return store, False
             store.close()
             if not request.overwrite:
                 raise CacheMismatchError(_mismatch_message(path, problem, just_created=True))
@@ -148,7 +150,7 @@ def _open_or_create(request: Request, source: Source | None) -> Store:
         _create_locked(request, source)
         store = Store(path)
         store.attach()
-    return store
+    return store, True
 
 
 def first_index(options: CreateOptions) -> int:

@@ -65,6 +65,10 @@ class MmapCachedDataset(Dataset):
             with the stored copy, so a changed source is refused instead of served stale; declare a source with
             random augmentation ``deterministic=False`` (then only its layout is compared), or give a fingerprint.
 
+    Attributes:
+        path: the resolved cache directory.
+        created: whether this object created the cache (it then computed and stored the first sample).
+
     Pickling (DataLoader workers) carries the path, the source and the options, never the mapped data; each
     process maps the cache once, lazily, and refuses a cache replaced meanwhile by one of another source
     (``CacheMismatchError``). A process that opens the path after the cache was removed (a spawned worker, a
@@ -117,7 +121,7 @@ class MmapCachedDataset(Dataset):
         self._source_length = source_length(dataset) if dataset is not None else 0
         self._request = Request(self.path, self.fingerprint, CreateOptions(max_bytes, cache_indices, variants,
                                 max_shapes), overwrite, self.delete_on_close, self.variant_choice, self.seed)
-        store = open_cache(self._request, self._source())
+        store, self.created = open_cache(self._request, self._source())
         self._identity = identity(store)
         self._bind(store)
 
@@ -148,7 +152,7 @@ class MmapCachedDataset(Dataset):
             if self._reader is None:
                 # Never overwrite from here, and refuse a cache that another source's job put in its place.
                 request = dataclasses.replace(self._request, overwrite=False)
-                self._bind(open_cache(request, self._source(), expected=self._identity))
+                self._bind(open_cache(request, self._source(), expected=self._identity)[0])
             return self._reader  # type: ignore[return-value]
 
     def __getstate__(self) -> dict[str, Any]:

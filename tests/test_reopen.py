@@ -193,3 +193,10 @@ def test_refresh_takes_numpy_fractions(cache_path: str) -> None:
         ds.fill()
         assert ds.refresh(fraction=np.float32(0.5)) == 5
         assert ds.refresh(fraction=np.float64(1.0)) == 5
+
+
+def test_created_says_who_made_the_cache(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, ImageLabels(8)) as first:
+        assert first.created and first.num_cached == 1  # the first sample, stored while creating the cache
+    with MmapCachedDataset(cache_path, ImageLabels(8)) as again, MmapCachedDataset(cache_path) as reader:
+        assert not again.created and not reader.created
