@@ -30,6 +30,8 @@ __all__ = [
     "verify",
     "VerifyResult",
     "describe",
+    "remove",
+    "gc",
     "MmapCacheError",
     "CacheNotFoundError",
     "CacheFormatError",
@@ -56,6 +58,8 @@ _LAZY = {
     "verify": "_verify",
     "VerifyResult": "_verify",
     "describe": "_report",
+    "remove": "_admin",
+    "gc": "_admin",
 }
 
 

@@ -28,7 +28,8 @@ import numpy as np
 from ._filled import ChunkClaims
 from ._sizes import format_size
 from ._specs import DatasetSpec
-from ._store import Store, resolve_path
+from ._paths import resolve_path
+from ._store import Store
 from ._open import Request, Source, open_cache
 from ._options import CreateOptions
 from .errors import BuildWorkerDiedError, CacheReadOnlyError

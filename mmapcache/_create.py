@@ -12,7 +12,10 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
+import secrets
 import shutil
+import stat
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -23,7 +26,13 @@ from ._layout import Layout
 from ._sizes import format_size
 from .errors import CacheReadOnlyError, InsufficientSpaceError, MmapCacheError, UnsupportedFileSystemError
 
-TMP_MARK = ".tmp-"
+# Scratch directories: where a cache is built before its rename into place, and where one is moved to be
+# deleted. Their names match SCRATCH (no other tool's pattern), and the first thing written into one is the
+# marker file: only a directory carrying both, made by a process that is gone, is ever removed by a sweep. The
+# cache itself lives in a subdirectory, so the marker never ends up inside a cache.
+SCRATCH = re.compile(r"\.mmapcache-(new|old)-([0-9]+)-[0-9a-f]{8}")
+SCRATCH_MARKER = "MMAPCACHE-SCRATCH"
+_SCRATCH_CACHE = "cache"
 # Created files and directories get these modes minus the umask: never writable by others, whatever the umask,
 # because every process able to write a cache can make its readers serve wrong samples. Share a cache through a
 # group instead (umask 002 and a setgid parent directory).
@@ -34,7 +43,14 @@ _DIR_MODE = 0o775
 @contextlib.contextmanager
 def parent_lock(path: str) -> Iterator[None]:
     """Serialises creation and removal of caches in one parent directory (``flock`` on the directory)."""
-    parent = os.path.dirname(path)
+    with directory_lock(os.path.dirname(path)):
+        yield
+
+
+@contextlib.contextmanager
+def directory_lock(parent: str) -> Iterator[None]:
+    """``flock`` on the directory ``parent`` (made if missing): the lock of creating, removing and sweeping the
+    caches in it."""
     try:
         os.makedirs(parent, mode=_DIR_MODE, exist_ok=True)
     except FileExistsError:
@@ -93,13 +109,13 @@ def create(
     # files) gets no up-front check: the reservation below still fails cleanly if the room is not there.
     if needed > free and os.statvfs(parent).f_blocks:
         raise InsufficientSpaceError(_space_message(path, needed, free, layout, variants, length))
-    tmp = f"{parent}/.{os.path.basename(path)}{TMP_MARK}{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        os.mkdir(tmp, _DIR_MODE)
+        scratch = make_scratch(parent, "new")
     except OSError as exc:
         raise _cannot_create(parent, exc) from None
+    tmp = os.path.join(scratch, _SCRATCH_CACHE)
     try:
+        os.mkdir(tmp, _DIR_MODE)
         meta = fmt.make_meta(
             layout, length=length, slots=slots, variants=variants, has_slot_index=slot_index is not None,
             fingerprint=fingerprint, delete_on_close=delete_on_close, library_version=library_version,
@@ -121,13 +137,69 @@ def create(
             prepare(tmp)
         os.rename(tmp, path)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise InsufficientSpaceError(_space_message(path, needed, free_bytes(parent), layout, variants, length)) from None
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE):
+            remove_scratch(scratch)
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise
+            raise InsufficientSpaceError(_space_message(path, needed, free_bytes(parent), layout, variants,
+                                                        length)) from None
+        remove_scratch(scratch)
         raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_scratch(scratch)
         raise
+    remove_scratch(scratch)
+
+
+def make_scratch(parent: str, kind: str) -> str:
+    """Makes a scratch directory in ``parent`` (``kind`` "new" or "old") carrying the marker; returns its path."""
+    while True:
+        scratch = os.path.join(parent, f".mmapcache-{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(scratch, 0o700)  # ours alone while it exists
+            break
+        except FileExistsError:
+            continue
+    try:
+        os.close(os.open(os.path.join(scratch, SCRATCH_MARKER),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    except BaseException:
+        os.rmdir(scratch)
+        raise
+    return scratch
+
+
+def is_scratch(path: str) -> int | None:
+    """The pid that made the scratch directory at ``path``, if it is one (name pattern, a real directory, and
+    the marker inside, all checked without following links); else None."""
+    match = SCRATCH.fullmatch(os.path.basename(path))
+    if match is None:
+        return None
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode) or not stat.S_ISREG(
+                os.lstat(os.path.join(path, SCRATCH_MARKER)).st_mode):
+            return None
+    except OSError:
+        return None
+    return int(match.group(2))
+
+
+def remove_scratch(scratch: str) -> None:
+    """Deletes a scratch directory and what it holds, if it carries the marker (never through a link)."""
+    if is_scratch(scratch) is not None:
+        shutil.rmtree(scratch, ignore_errors=True)  # fd-based on Linux: never follows a symlink out
+
+
+def move_to_scratch(path: str) -> str:
+    """Moves the directory ``path`` into a new "old" scratch directory beside it (atomically: it vanishes from
+    ``path`` at once); returns the scratch directory, which ``remove_scratch`` then deletes."""
+    scratch = make_scratch(os.path.dirname(path), "old")
+    try:
+        os.rename(path, os.path.join(scratch, _SCRATCH_CACHE))
+    except BaseException:
+        remove_scratch(scratch)
+        raise
+    return scratch
 
 
 def _cannot_create(parent: str, exc: OSError) -> MmapCacheError:

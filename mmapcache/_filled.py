@@ -21,12 +21,13 @@ import errno
 import fcntl
 import mmap
 import os
-import stat
 import threading
+import weakref
 from typing import Callable
 
 import numpy as np
 
+from ._files import open_file
 from ._format import FILLED, LOCK, SEQ, STALE
 from .errors import CacheFormatError, CacheReadOnlyError
 
@@ -40,52 +41,70 @@ class WriterLock:
 
     Blocking ``flock`` hands the lock over as soon as it is released (filelock's ``FileLock`` polls with
     ``LOCK_NB`` every 50 ms by default, which serialises contended writers badly: see ``tools/bench.py``).
-    The descriptor is opened lazily per process and reopened after a fork: a forked child must not share the
-    parent's open file description, or the two would hold "one" lock together.
+    ``flock`` belongs to an open file description, which all threads of a process share, so the thread lock is
+    what serialises the threads of one process; it is taken first, and the descriptor is opened under it (threads
+    missing at once on a freshly opened cache must not each open, and then unlock, another's descriptor).
+    A forked child gets a fresh thread lock and its own descriptor (``os.register_at_fork``): a lock held by a
+    parent's thread at fork time would stay held forever, and sharing the parent's open file description would
+    make the two processes hold "one" lock together. Safe across processes and threads.
     """
 
     def __init__(self, directory: str) -> None:
-        self._path = os.path.join(directory, LOCK)
+        self._directory = directory
         self._pid = -1
         self._fd = -1
         self._thread_lock = threading.Lock()
+        _LOCKS.add(self)
 
-    def _ensure(self) -> None:
-        if self._pid != os.getpid():
-            self._thread_lock = threading.Lock()  # a lock held by another thread at fork time stays held forever
-            try:
-                self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                raise CacheFormatError(_lock_missing(self._path)) from None
-            if not stat.S_ISREG(os.fstat(self._fd).st_mode):  # O_RDONLY opens a directory without complaint
-                os.close(self._fd)
-                self._fd = -1
-                raise CacheFormatError(f"{self._path} is not a regular file, expected an empty lock file; remove the "
-                                       "cache and build it again")
-            self._pid = os.getpid()
+    def _after_fork_in_child(self) -> None:
+        self._thread_lock = threading.Lock()
+        self._fd, self._pid = -1, -1  # the inherited descriptor stays open: it is the parent's description
+
+    def _open_locked(self) -> None:
+        """Opens this process's descriptor. Caller holds the thread lock."""
+        try:
+            self._fd = open_file(self._directory, LOCK, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CacheFormatError(_lock_missing(os.path.join(self._directory, LOCK))) from None
+        self._pid = os.getpid()
 
     def __enter__(self) -> WriterLock:
-        self._ensure()
         self._thread_lock.acquire()
         try:
+            if self._pid != os.getpid():
+                self._open_locked()
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             if os.fstat(self._fd).st_nlink == 0:
                 # Someone removed or replaced the lock file: processes locking a new file would not exclude us.
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
-                raise CacheFormatError(_lock_missing(self._path))
+                raise CacheFormatError(_lock_missing(os.path.join(self._directory, LOCK)))
         except BaseException:
             self._thread_lock.release()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self._thread_lock.release()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
 
     def close(self) -> None:
-        if self._pid == os.getpid() and self._fd >= 0:
-            os.close(self._fd)  # only our own descriptor: an inherited one belongs to the parent
-        self._fd, self._pid = -1, -1
+        with self._thread_lock:
+            if self._pid == os.getpid() and self._fd >= 0:
+                os.close(self._fd)  # only our own descriptor: an inherited one belongs to the parent
+            self._fd, self._pid = -1, -1
+
+
+_LOCKS: weakref.WeakSet[WriterLock] = weakref.WeakSet()
+
+
+def _reset_locks_in_child() -> None:
+    for lock in list(_LOCKS):
+        lock._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_locks_in_child)
 
 
 def _lock_missing(path: str) -> str:
@@ -109,7 +128,7 @@ class SlotState:
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         nbits = bitmap_bytes(rows)
         self._maps = [
-            _map_exact(os.path.join(directory, name), size, access, writable)
+            _map_exact(directory, name, size, access, writable)
             for name, size in ((FILLED, nbits), (STALE, nbits), (SEQ, 4 * rows))
         ]
         filled_map, stale_map, seq_map = self._maps
@@ -234,15 +253,13 @@ class SlotState:
         self._maps = []
 
 
-def _map_exact(path: str, size: int, access: int, writable: bool) -> mmap.mmap:
+def _map_exact(directory: str, name: str, size: int, access: int, writable: bool) -> mmap.mmap:
     """Maps a state file, checking it has exactly the expected size."""
+    path = os.path.join(directory, name)
     try:
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        fd = open_file(directory, name, os.O_RDWR if writable else os.O_RDONLY)
     except FileNotFoundError:
         raise CacheFormatError(f"{path} is missing; the cache is damaged: remove it and build it again") from None
-    except IsADirectoryError:
-        raise CacheFormatError(f"{path} is a directory, expected a file of {size} bytes; the cache is damaged: "
-                               "remove it and build it again") from None
     try:
         found = os.fstat(fd).st_size
         if found != size:
@@ -264,12 +281,12 @@ class ChunkClaims:
     """
 
     def __init__(self, directory: str) -> None:
-        self._path = os.path.join(directory, LOCK)
+        self._directory = directory
         self._fd = -1
 
     def try_claim(self, chunk: int) -> bool:
         if self._fd < 0:
-            self._fd = os.open(self._path, os.O_RDWR | os.O_CLOEXEC)
+            self._fd = open_file(self._directory, LOCK, os.O_RDWR)
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, chunk)
         except OSError as exc:

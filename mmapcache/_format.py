@@ -72,6 +72,7 @@ import re
 from typing import Any
 
 from ._layout import KINDS, Layout
+from ._files import open_file
 from .errors import CacheFormatError
 
 MAGIC = "mmapcache"
@@ -157,14 +158,14 @@ def read_meta(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, META)
     fix = f"remove the damaged cache with `mmapcache rm --force {directory}` and build it again"
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(open_file(directory, META, os.O_RDONLY), encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         raise CacheFormatError(
-            f"{directory} is not an mmapcache cache: it has no {META}; pass a new path, or remove the directory "
-            "if it is a damaged cache"
+            f"{directory} is not an mmapcache cache (it has no {META}); pass the path of a cache (`mmapcache ls` "
+            "lists them) or a path that does not exist yet"
         ) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+    except (PermissionError, UnicodeDecodeError) as exc:
         raise CacheFormatError(f"{path} cannot be read ({exc}); {fix}") from None
     try:
         meta = json.loads(text)
@@ -204,11 +205,21 @@ def _check_meta(meta: dict[str, Any]) -> None:
     leaves = _structure_leaves(meta["structure"])
     if sorted(leaves) != list(range(len(layout.fields))):
         raise ValueError(f"the structure's leaves {sorted(leaves)} do not match the {len(layout.fields)} fields")
+    used = {name: "a state file" for name in (META, FILLED, STALE, SEQ, LOCK, USERS)}
+    if meta["slot_index"] is not None:
+        if meta["slot_index"] != SLOT_INDEX:
+            raise ValueError(f"slot_index names {meta['slot_index']!r}, expected {SLOT_INDEX!r}")
+        used[SLOT_INDEX] = "the slot index"
     for field in meta["fields"]:
         for key in ("file", "shape_file"):
             name = field[key]
             if name is not None and (not isinstance(name, str) or "/" in name or name.startswith(".")):
                 raise ValueError(f"field {field['name']!r}: bad file name {name!r}")
+            if name is not None and name in used:
+                # Two writers of one file would overwrite each other's rows: every file has one owner.
+                raise ValueError(f"field {field['name']!r}: its {key} {name!r} is also {used[name]}")
+            if name is not None:
+                used[name] = f"the {key} of field {field['name']!r}"
 
 
 def _structure_leaves(node: Any) -> list[int]:

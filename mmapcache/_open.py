@@ -146,7 +146,7 @@ def _open_or_create(request: Request, source: Source | None) -> tuple[Store, boo
             store.close()
             if not request.overwrite:
                 raise CacheMismatchError(_mismatch_message(path, problem, just_created=True))
-            _admin.remove(path)
+            _admin.delete(path)
         _create_locked(request, source)
         store = Store(path)
         store.attach()

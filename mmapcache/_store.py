@@ -18,33 +18,11 @@ import weakref
 import numpy as np
 
 from . import _format as fmt
-from ._admin import remove
+from ._admin import delete
+from ._files import open_file
 from ._filled import SlotState
 from ._layout import Layout
 from .errors import CacheFormatError, CacheNotFoundError, UnsupportedFileSystemError
-
-DEFAULT_DIR = "/dev/shm/mmapcache"
-
-
-def cache_root() -> str:
-    """The directory that bare cache names resolve in: ``$MMAPCACHE_DIR``, default ``/dev/shm/mmapcache``."""
-    return os.environ.get("MMAPCACHE_DIR") or DEFAULT_DIR
-
-
-def resolve_path(path: str | os.PathLike[str]) -> str:
-    """A path containing ``/`` is used as given; a bare name resolves under ``cache_root()``."""
-    try:
-        text = os.fspath(path)
-    except TypeError:
-        text = None
-    if not isinstance(text, str) or not text:
-        raise TypeError(f"cache path must be a non-empty str or os.PathLike, got {path!r}")
-    if "/" not in text:
-        if text in (".", ".."):
-            raise ValueError(f"cache name {text!r} is not a name; pass a directory path or a plain name like 'imagenet-224'")
-        text = os.path.join(cache_root(), text)
-    return os.path.abspath(text)
-
 
 # --- opening ---------------------------------------------------------------------------------------------------
 
@@ -131,11 +109,9 @@ class Store:
         writable = self.writable
         fix = f"the cache is damaged: remove it (`mmapcache rm --force {self.path}`) and build it again"
         try:
-            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+            fd = open_file(self.path, name, os.O_RDWR if writable else os.O_RDONLY)
         except FileNotFoundError:
             raise CacheFormatError(f"{path} is missing; {fix}") from None
-        except IsADirectoryError:
-            raise CacheFormatError(f"{path} is a directory, expected a .npy file; {fix}") from None
         try:
             with os.fdopen(os.dup(fd), "rb") as f:
                 try:
@@ -217,7 +193,7 @@ class Store:
             return
         users = os.path.join(self.path, fmt.USERS)
         try:
-            fd = os.open(users, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_file(self.path, fmt.USERS, os.O_RDONLY)
         except FileNotFoundError:
             if self.moved():
                 raise CacheNotFoundError(_removed_message(self.path)) from None
@@ -257,8 +233,8 @@ class Store:
         if not remove_if_last or self.moved():
             return False
         try:
-            probe = os.open(os.path.join(self.path, fmt.USERS), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+            probe = open_file(self.path, fmt.USERS, os.O_RDONLY)
+        except (FileNotFoundError, CacheFormatError):
             return False
         try:
             try:
@@ -267,7 +243,7 @@ class Store:
                 return False  # another user holds it
             if self.moved() or not fmt.is_cache(self.path):
                 return False
-            remove(self.path)
+            delete(self.path)
             return True
         finally:
             os.close(probe)

@@ -1,18 +1,22 @@
 """``mmapcache verify``: checking a cache's files and state, and comparing stored samples with a fresh source.
 
 Opening a ``Store`` already checks ``meta.json``, every ``.npy`` header and size, the state files' sizes, bits past
-the end and filled rows never written. This module adds the checks that need a scan of the state (stale bits
-without filled bits, stored shapes outside their field's maximum) and the recomputation of filled samples.
+the end and filled rows never written, and refuses files that are links or not regular. This module first scans
+the directory's entries (so a link or a foreign file is reported as damage, by name, rather than failing the open),
+then adds the checks that need a scan of the state (stale bits without filled bits, stored shapes outside their
+field's maximum) and the recomputation of filled samples.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
 
 from . import _format as fmt
+from ._files import check_entry
 from ._store import Store
 
 __all__ = ["VerifyResult", "verify"]
@@ -21,6 +25,7 @@ __all__ = ["VerifyResult", "verify"]
 @dataclasses.dataclass
 class VerifyResult:
     """``problems``: damage found in the files; ``differences``: stored samples unequal to the source's;
+    ``mismatch``: why the given source cannot be the cache's (another length: not damage, another source);
     ``compared``: rows compared with the source; ``interrupted``: rows a dead writer left mid-write (they count
     as unfilled and will be written again: not damage)."""
 
@@ -31,10 +36,11 @@ class VerifyResult:
     interrupted: int = 0
     problems: list[str] = dataclasses.field(default_factory=list)
     differences: list[str] = dataclasses.field(default_factory=list)
+    mismatch: str | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.problems and not self.differences
+        return not self.problems and not self.differences and self.mismatch is None
 
 
 def verify(path: str, dataset: Any = None, *, samples: int | None = 100, seed: int | None = None) -> VerifyResult:
@@ -49,19 +55,39 @@ def verify(path: str, dataset: Any = None, *, samples: int | None = 100, seed: i
     Raises:
         CacheNotFoundError, CacheFormatError: no cache, or damage found while opening it.
     """
+    entries = _check_entries(path)
+    if entries:
+        return VerifyResult(path, problems=entries)
     store = Store(path, writable=False)
     result = VerifyResult(path, rows=store.rows)
     try:
+        store.attach()  # a user while it reads: `mmapcache rm` without --force refuses to remove it meanwhile
         _check_state(store, result)
         if dataset is not None:
             if len(dataset) != store.length:
-                result.problems.append(f"the source has {len(dataset)} samples, the cache {store.length}: it was made "
-                                       "from another source (or other --kwargs)")
+                result.mismatch = (f"the source has {len(dataset)} samples, the cache {store.length}: the cache was "
+                                   "made from another source (or other --kwargs); nothing was compared")
             else:
                 _compare(store, dataset, samples, seed, result)
     finally:
         store.close()
+        store.detach()
     return result
+
+
+def _check_entries(path: str) -> list[str]:
+    """Every entry of the cache directory that is not one of its own regular files (a link, a directory...)."""
+    try:
+        device = os.stat(path).st_dev
+        entries = list(os.scandir(path))
+    except OSError:
+        return []  # opening the store reports a missing or unreadable cache
+    problems = []
+    for entry in entries:
+        problem = check_entry(entry.stat(follow_symlinks=False), device)
+        if problem:
+            problems.append(f"{entry.path} {problem}: mmapcache refuses to read or write through it")
+    return problems
 
 
 def _check_state(store: Store, result: VerifyResult) -> None:

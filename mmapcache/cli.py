@@ -193,7 +193,7 @@ def _parser() -> _Parser:
 
 
 def _resolve(path: str) -> str:
-    from ._store import resolve_path
+    from ._paths import resolve_path
 
     try:
         return resolve_path(path)
@@ -202,7 +202,7 @@ def _resolve(path: str) -> str:
 
 
 def _existing_dir(directory: str | None) -> str:
-    from ._store import cache_root
+    from ._paths import cache_root
 
     directory = os.path.abspath(directory or cache_root())
     if not os.path.exists(directory):
@@ -300,51 +300,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    from . import _format as fmt
-    from ._admin import remove, users_of
-    from ._create import parent_lock
+    from . import remove
 
-    paths = [_resolve(p) for p in args.paths]
-    for path in paths:  # refuse everything before removing anything
-        _check_removable(path, args.force, fmt)
-    status = 0
-    for path in paths:
-        with parent_lock(path):
-            if not os.path.isdir(path):
-                print(f"mmapcache: {path} is already gone", file=sys.stderr)
-                continue
-            users = [pid for pid in users_of(path) if pid != os.getpid()]
-            if users and not args.force:
-                raise UsageError(f"{path} is in use by process(es) {', '.join(map(str, users))}; stop them, or pass "
-                                 "--force (they keep reading their mapped pages until they exit)")
-            remove(path)
+    for path in remove(*args.paths, force=args.force):
         print(f"removed {path}")
-    return status
-
-
-def _check_removable(path: str, force: bool, fmt: Any) -> None:
-    """Refuses anything that is not a cache; a cache with a damaged meta.json only with --force."""
-    from ._admin import users_of
-
-    if os.path.islink(path):
-        raise UsageError(f"{path} is a symbolic link, not a cache; refusing to remove it (remove the link with rm)")
-    if not os.path.exists(path):
-        raise UsageError(f"{path} does not exist; `mmapcache ls` lists the caches")
-    if not os.path.isdir(path):
-        raise UsageError(f"{path} is not a directory, so not an mmapcache cache; refusing to remove it")
-    names = set(os.listdir(path))
-    if fmt.META not in names:
-        raise UsageError(f"{path} is not an mmapcache cache (no {fmt.META}); refusing to remove it")
-    try:
-        fmt.read_meta(path)
-    except MmapCacheError as exc:
-        if not force or not {fmt.LOCK, fmt.USERS, fmt.FILLED} <= names:
-            raise UsageError(f"{path} does not look like a valid cache ({exc}); refusing to remove it"
-                             + ("" if force else "; if it is a damaged cache, pass --force")) from None
-    users = [pid for pid in users_of(path) if pid != os.getpid()]
-    if users and not force:
-        raise UsageError(f"{path} is in use by process(es) {', '.join(map(str, users))}; stop them, or pass "
-                         "--force (they keep reading their mapped pages until they exit)")
+    return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -359,6 +319,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     elif args.kwargs:
         raise UsageError("--kwargs needs --source (the dataset to compare with)")
     result = verify(path, dataset, samples=None if args.all else args.samples)
+    if result.mismatch:
+        print(f"mmapcache: mismatch: {result.mismatch}", file=sys.stderr)
     for problem in result.problems:
         print(f"mmapcache: damage: {problem}", file=sys.stderr)
     for difference in result.differences[:20]:
@@ -368,7 +330,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     compared = f", {result.compared} compared with the source" if dataset is not None else \
         " (format only; pass --source to compare samples)"
     interrupted = f", {result.interrupted} interrupted mid-write (will be refilled)" if result.interrupted else ""
-    verdict = "ok" if result.ok else f"{len(result.problems)} problem(s), {len(result.differences)} difference(s)"
+    verdict = "ok" if result.ok else "another source" if result.mismatch else \
+        f"{len(result.problems)} problem(s), {len(result.differences)} difference(s)"
     print(f"{path}: {verdict}: {result.filled} of {result.rows} rows filled{interrupted}{compared}")
     if result.differences:
         print("mmapcache: rebuild the differing samples: `mmapcache rm` the cache and build it again, or refresh them "
@@ -377,15 +340,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from ._admin import sweep
-    from ._create import parent_lock
+    from . import gc
 
     directory = _existing_dir(args.dir)
-    if not os.path.isdir(directory):
-        print(f"nothing to remove ({directory} does not exist)")
-        return 0
-    with parent_lock(os.path.join(directory, "_")):  # the lock is on the parent of the path given
-        removed = sweep(directory)
+    removed = gc(directory)
     for path in removed:
         print(f"removed {path}")
     if not removed:

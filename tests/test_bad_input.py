@@ -64,7 +64,7 @@ def test_path_on_a_file_system_that_cannot_hold_files(parent: str) -> None:
 
 
 def test_existing_directory_that_is_not_a_cache(untouched: Any, shm_dir: str) -> None:
-    untouched(CacheFormatError, r"is not an mmapcache cache: it has no meta\.json",
+    untouched(CacheFormatError, r"is not an mmapcache cache \(it has no meta\.json\)",
               lambda: MmapCachedDataset(shm_dir, ImageLabels(4)))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from mmapcache import MmapCachedDataset
+from mmapcache._create import make_scratch
 from mmapcache.cli import main
 from helpers.sources import ImageLabels
 
@@ -181,15 +183,16 @@ def test_verify_detects_damaged_state(cache_path: str, capsys: pytest.CaptureFix
 
 def test_gc_removes_leftovers_of_dead_processes(shm_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     make_cache(os.path.join(shm_dir, "kept"), n=4)  # first: creating a cache sweeps too
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait(timeout=30)
-    leftover = os.path.join(shm_dir, f".cache.tmp-{dead.pid}")
-    os.makedirs(leftover)
-    alive = os.path.join(shm_dir, f".other.tmp-{os.getpid()}")
-    os.makedirs(alive)
+    # A creator that died mid-creation leaves its marked scratch directory; a live one's must stay.
+    dead = subprocess.run([sys.executable, "-c", f"from mmapcache._create import make_scratch; "
+                           f"print(make_scratch({shm_dir!r}, 'new'))"], capture_output=True, text=True, env=ENV,
+                          timeout=60, check=True)
+    leftover = dead.stdout.strip()
+    alive = make_scratch(shm_dir, "new")
     code, out, _ = run("gc", capsys=capsys)
     assert code == 0 and f"removed {leftover}" in out
     assert not os.path.exists(leftover) and os.path.isdir(alive) and os.path.isdir(os.path.join(shm_dir, "kept"))
+    shutil.rmtree(alive)
     code, out, _ = run("gc", shm_dir, capsys=capsys)
     assert code == 0 and "nothing to remove" in out
 

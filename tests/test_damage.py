@@ -88,7 +88,7 @@ def test_meta_that_is_not_utf8(filled_cache: str) -> None:
 
 def test_missing_meta(filled_cache: str) -> None:
     os.unlink(_file(filled_cache, "meta.json"))
-    _open_fails(filled_cache, r"is not an mmapcache cache: it has no meta\.json")
+    _open_fails(filled_cache, r"is not an mmapcache cache \(it has no meta\.json\)")
 
 
 def _edit_meta(path: str, **changes: object) -> None:
@@ -223,7 +223,7 @@ def test_lock_replaced_by_a_directory(filled_cache: str) -> None:
     os.unlink(_file(filled_cache, "lock"))
     os.mkdir(_file(filled_cache, "lock"))
     ds = MmapCachedDataset(filled_cache, ImageLabels(N))
-    with pytest.raises(CacheFormatError, match=r"lock is not a regular file"):
+    with pytest.raises(CacheFormatError, match=r"lock is a directory, expected a regular file"):
         ds[8]
     ds.close()
 
@@ -269,7 +269,7 @@ def test_not_a_cache_directory_is_left_alone(shm_dir: str) -> None:
     other = os.path.join(shm_dir, "photos")
     os.mkdir(other)
     open(os.path.join(other, "a.jpg"), "w").close()
-    _open_fails(other, r"photos is not an mmapcache cache: it has no meta\.json")
+    _open_fails(other, r"photos is not an mmapcache cache \(it has no meta\.json\)")
     assert os.listdir(other) == ["a.jpg"]
 
 

@@ -267,7 +267,7 @@ def _remove_cache(path: str) -> None:
         assert done.returncode == 0, done.stderr
     else:
         with _create.parent_lock(path):
-            _admin.remove(path)
+            _admin.delete(path)
     assert not os.path.exists(path)
 
 
