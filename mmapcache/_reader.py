@@ -7,7 +7,6 @@ and the rebuild of the sample's containers.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, Callable
 
@@ -40,7 +39,9 @@ class RowReader:
         self.check = compile_checker(layout)
         self.build_batch = batch_builder(layout.structure)
         self._readers = [self._field_reader(n) for n in range(len(self.fields))]
-        self._raw_readers = [functools.partial(self._raw, n) for n in range(len(self.fields))]
+        # Closures over the maps, never over self: a cycle through self would keep the maps (and the file
+        # system) busy after close until the garbage collector ran.
+        self._raw_readers = [_raw_reader(data, shapes) for data, shapes in zip(self.data, self.shapes)]
         self._miss_converters = [_value_converter(f) for f in self.fields]
         self._batch_converters = [batch_converter(f) for f in self.fields]
         self._splitters = [_splitter(f) for f in self.fields]
@@ -109,13 +110,6 @@ class RowReader:
         source's (``torch.from_numpy`` of the checked numpy view), as a hit's tensor is a view of its own copy.
         """
         return self.build([convert(value) for convert, value in zip(self._miss_converters, values)])
-
-    def _raw(self, n: int, row: int) -> np.ndarray:
-        shapes = self.shapes[n]
-        if shapes is None:
-            return self.data[n][row, ...].copy()
-        shape = tuple(shapes[row].tolist())
-        return self.data[n][row].reshape(-1)[: int(np.prod(shape, dtype=np.int64))].reshape(shape).copy()
 
     def write(self, row: int, values: list[Any]) -> None:
         """Copies a checked sample's values into ``row``. The caller holds the writer lock (``publish``).
@@ -187,6 +181,17 @@ class RowReader:
     def collate(self, columns: list[np.ndarray]) -> Any:
         """The batch as ``default_collate`` would build it, from gathered columns (no extra copy)."""
         return self.build_batch([convert(column) for convert, column in zip(self._batch_converters, columns)])
+
+
+def _raw_reader(data: np.ndarray, shapes: np.ndarray | None) -> Callable[[int], np.ndarray]:
+    """A function copying one field of a row out of the map as numpy, at its actual shape."""
+    if shapes is None:
+        return lambda row: data[row, ...].copy()
+
+    def read_variable(row: int) -> np.ndarray:
+        shape = tuple(shapes[row].tolist())
+        return data[row].reshape(-1)[: int(np.prod(shape, dtype=np.int64))].reshape(shape).copy()
+    return read_variable
 
 
 def _splitter(field: Field) -> Callable[[np.ndarray], list[Any]]:
