@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import sys
 from collections import namedtuple
+from operator import itemgetter
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._layout import BOOL, FLOAT, INT, NDARRAY, NPSCALAR, TENSOR, Field, Layout
+from ._layout import BOOL, FLOAT, INT, NDARRAY, NPSCALAR, TENSOR, Field, Layout, fold
 from .errors import CacheFormatError
 
 # --- rebuilding ------------------------------------------------------------------------------------------------
@@ -34,26 +35,45 @@ def _namedtuple_class(module: str, qualname: str, names: list[str]) -> type:
     return namedtuple(qualname.rsplit(".", 1)[-1], names)  # type: ignore[misc]
 
 
+def _leaf_numbers(children: list[Any]) -> list[int] | None:
+    """The field numbers of ``children`` if every one is a bare leaf (the case worth a fast path), else None."""
+    numbers = [c.get("leaf") for c in children]
+    return numbers if None not in numbers else None
+
+
+def _getter(numbers: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``leaves -> tuple(leaves[n] for n in numbers)``, in C where it can be (itemgetter of two or more)."""
+    if len(numbers) >= 2:
+        return itemgetter(*numbers)
+    if numbers:
+        n = numbers[0]
+        return lambda leaves: (leaves[n],)
+    return lambda leaves: ()
+
+
 def sample_builder(structure: Any) -> Callable[[Sequence[Any]], Any]:
     """A function rebuilding one sample from its converted leaves (compiled once per cache, not per access)."""
-    if "leaf" in structure:
-        i = structure["leaf"]
-        return lambda leaves: leaves[i]
-    if "namedtuple" in structure:
-        cls = _namedtuple_class(*structure["namedtuple"])
-        parts = [sample_builder(s) for s in structure["items"]]
-        return lambda leaves: cls(*[p(leaves) for p in parts])
-    if "dict" in structure:
-        keyed = [(k, sample_builder(s)) for k, s in structure["dict"]]
+    def sequence(kind: str, parts: list[Callable], children: list[Any]) -> Callable:
+        numbers = _leaf_numbers(children)
+        if kind == "tuple":
+            if numbers is not None:
+                return _getter(numbers)  # the common (input, target) pair: one C call, no generator
+            return lambda leaves: tuple([p(leaves) for p in parts])
+        return lambda leaves: [p(leaves) for p in parts]
+
+    def mapping(keys: list[str], parts: list[Callable], children: list[Any]) -> Callable:
+        numbers = _leaf_numbers(children)
+        if numbers is not None:
+            get = _getter(numbers)
+            return lambda leaves: dict(zip(keys, get(leaves)))
+        keyed = list(zip(keys, parts))
         return lambda leaves: {k: p(leaves) for k, p in keyed}
-    kind = "tuple" if "tuple" in structure else "list"
-    parts = [sample_builder(s) for s in structure[kind]]
-    if kind == "tuple":
-        if len(parts) == 2 and all("leaf" in s for s in structure["tuple"]):
-            a, b = structure["tuple"][0]["leaf"], structure["tuple"][1]["leaf"]
-            return lambda leaves: (leaves[a], leaves[b])  # the common (input, target) pair, without a generator
-        return lambda leaves: tuple([p(leaves) for p in parts])
-    return lambda leaves: [p(leaves) for p in parts]
+
+    def record(spec: tuple[str, str, list[str]], parts: list[Callable], children: list[Any]) -> Callable:
+        cls = _namedtuple_class(*spec)
+        return lambda leaves: cls(*[p(leaves) for p in parts])
+
+    return fold(structure, leaf=itemgetter, sequence=sequence, mapping=mapping, record=record)
 
 
 def batch_builder(structure: Any) -> Callable[[Sequence[Any]], Any]:
@@ -62,19 +82,16 @@ def batch_builder(structure: Any) -> Callable[[Sequence[Any]], Any]:
     ``default_collate`` turns a tuple of fields into a list (torch keeps this for backwards compatibility),
     keeps lists, dicts and namedtuples, and makes every leaf a batched tensor.
     """
-    if "leaf" in structure:
-        i = structure["leaf"]
-        return lambda leaves: leaves[i]
-    if "namedtuple" in structure:
-        cls = _namedtuple_class(*structure["namedtuple"])
-        parts = [batch_builder(s) for s in structure["items"]]
-        return lambda leaves: cls(*[p(leaves) for p in parts])
-    if "dict" in structure:
-        keyed = [(k, batch_builder(s)) for k, s in structure["dict"]]
+    def mapping(keys: list[str], parts: list[Callable], children: list[Any]) -> Callable:
+        keyed = list(zip(keys, parts))
         return lambda leaves: {k: p(leaves) for k, p in keyed}
-    kind = "tuple" if "tuple" in structure else "list"
-    parts = [batch_builder(s) for s in structure[kind]]
-    return lambda leaves: [p(leaves) for p in parts]
+
+    def record(spec: tuple[str, str, list[str]], parts: list[Callable], children: list[Any]) -> Callable:
+        cls = _namedtuple_class(*spec)
+        return lambda leaves: cls(*[p(leaves) for p in parts])
+
+    return fold(structure, leaf=itemgetter, mapping=mapping, record=record,
+                sequence=lambda kind, parts, children: lambda leaves: [p(leaves) for p in parts])
 
 
 def leaf_converter(field: Field) -> Callable[[np.ndarray], Any]:
@@ -150,11 +167,32 @@ def compile_checker(layout: Layout) -> Callable[[Any, int], list[Any]]:
 
 
 def _compile_walk(structure: Any) -> Callable[[Any, list[Any]], None]:
-    if "leaf" in structure:
+    """A function appending a sample's leaves to a list, raising ``_Slow`` where the sample leaves the structure."""
+    def leaf(number: int) -> Callable[[Any, list[Any]], None]:
         return lambda obj, out: out.append(obj)
-    if "namedtuple" in structure:
-        names = tuple(structure["namedtuple"][2])
-        parts = [_compile_walk(s) for s in structure["items"]]
+
+    def sequence(kind: str, parts: list[Callable], children: list[Any]) -> Callable[[Any, list[Any]], None]:
+        container = tuple if kind == "tuple" else list
+        n = len(parts)
+
+        def walk_sequence(obj: Any, out: list[Any]) -> None:
+            if type(obj) is not container or len(obj) != n:
+                raise _Slow
+            for part, value in zip(parts, obj):
+                part(value, out)
+        return walk_sequence
+
+    def mapping(keys: list[str], parts: list[Callable], children: list[Any]) -> Callable[[Any, list[Any]], None]:
+        def walk_dict(obj: Any, out: list[Any]) -> None:
+            if type(obj) is not dict or list(obj) != keys:
+                raise _Slow
+            for part, value in zip(parts, obj.values()):
+                part(value, out)
+        return walk_dict
+
+    def record(spec: tuple[str, str, list[str]], parts: list[Callable],
+               children: list[Any]) -> Callable[[Any, list[Any]], None]:
+        names = tuple(spec[2])
 
         def walk_namedtuple(obj: Any, out: list[Any]) -> None:
             if getattr(type(obj), "_fields", None) != names:
@@ -162,27 +200,8 @@ def _compile_walk(structure: Any) -> Callable[[Any, list[Any]], None]:
             for part, value in zip(parts, obj):
                 part(value, out)
         return walk_namedtuple
-    if "dict" in structure:
-        keys = [k for k, _ in structure["dict"]]
-        parts = [_compile_walk(s) for _, s in structure["dict"]]
 
-        def walk_dict(obj: Any, out: list[Any]) -> None:
-            if type(obj) is not dict or list(obj) != keys:
-                raise _Slow
-            for part, value in zip(parts, obj.values()):
-                part(value, out)
-        return walk_dict
-    kind = "tuple" if "tuple" in structure else "list"
-    container = tuple if kind == "tuple" else list
-    parts = [_compile_walk(s) for s in structure[kind]]
-    n = len(parts)
-
-    def walk_sequence(obj: Any, out: list[Any]) -> None:
-        if type(obj) is not container or len(obj) != n:
-            raise _Slow
-        for part, value in zip(parts, obj):
-            part(value, out)
-    return walk_sequence
+    return fold(structure, leaf=leaf, sequence=sequence, mapping=mapping, record=record)
 
 
 def _compile_leaf(field: Field) -> Callable[[Any], Any]:

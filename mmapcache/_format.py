@@ -71,8 +71,8 @@ import os
 import re
 from typing import Any
 
-from ._layout import KINDS, Layout
 from ._files import open_file
+from ._layout import KINDS, Layout, fold
 from .errors import CacheFormatError
 
 MAGIC = "mmapcache"
@@ -223,33 +223,24 @@ def _check_meta(meta: dict[str, Any]) -> None:
 
 
 def _structure_leaves(node: Any) -> list[int]:
-    """The field numbers of a structure tree (see the format above); ValueError if the tree is malformed."""
-    if not isinstance(node, dict):
-        raise ValueError(f"structure node {node!r} is not an object")
-    if set(node) == {"leaf"}:
-        if not isinstance(node["leaf"], int) or isinstance(node["leaf"], bool):
-            raise ValueError(f"leaf {node['leaf']!r} is not a field number")
-        return [node["leaf"]]
-    if set(node) in ({"tuple"}, {"list"}):
-        children = next(iter(node.values()))
-    elif set(node) == {"dict"}:
-        pairs = node["dict"]
-        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-                                                  for p in pairs):
-            raise ValueError("a dict node must list [key, node] pairs with string keys")
-        children = [p[1] for p in pairs]
-    elif set(node) == {"namedtuple", "items"}:
-        module, qualname, names = node["namedtuple"]
+    """The field numbers of a structure tree (see the format above); ValueError (or LayoutError, a TypeError, for
+    nesting deeper than ``MAX_DEPTH``) if the tree is malformed."""
+    def record(spec: tuple[Any, Any, Any], parts: list[list[int]], children: list[Any]) -> list[int]:
+        module, qualname, names = spec
+        # The names become a class's fields when a reader rebuilds the namedtuple: they must be valid ones.
         if not (isinstance(module, str) and isinstance(qualname, str) and isinstance(names, list)
                 and all(isinstance(n, str) and n.isidentifier() and not keyword.iskeyword(n) and n[0] != "_"
                         for n in names) and len(set(names)) == len(names)
                 and qualname.rsplit(".", 1)[-1].isidentifier()):
-            raise ValueError(f"bad namedtuple description {node['namedtuple']!r}")
-        children = node["items"]
-        if not isinstance(children, list) or len(children) != len(names):
+            raise ValueError(f"bad namedtuple description {list(spec)!r}")
+        if len(children) != len(names):
             raise ValueError(f"namedtuple {qualname!r} has {len(names)} names but items {children!r}")
-    else:
-        raise ValueError(f"unknown structure node with keys {sorted(node)}")
-    if not isinstance(children, list):
-        raise ValueError(f"structure node {node!r} does not list its children")
-    return [leaf for child in children for leaf in _structure_leaves(child)]
+        return _concat(parts)
+
+    return fold(node, leaf=lambda number: [number], record=record,
+                sequence=lambda kind, parts, children: _concat(parts),
+                mapping=lambda keys, parts, children: _concat(parts))
+
+
+def _concat(parts: list[list[int]]) -> list[int]:
+    return [number for part in parts for number in part]

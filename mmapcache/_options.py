@@ -19,7 +19,7 @@ class CreateOptions:
     def __init__(self, max_bytes: Any, cache_indices: Any, variants: Any, max_shapes: Any) -> None:
         self.max_bytes = None if max_bytes is None else parse_size(max_bytes, "max_bytes")
         if variants is not None:
-            if isinstance(variants, bool) or not isinstance(variants, (int, np.integer)) or variants < 1:
+            if not _is_count(variants) or variants < 1:
                 raise ValueError(f"variants must be an integer >= 1, got {variants!r}")
             variants = int(variants)
         self.variants = variants
@@ -36,11 +36,7 @@ class CreateOptions:
         if max_shapes is not None:
             if not isinstance(max_shapes, Mapping):
                 raise TypeError(f"max_shapes must be a dict of field path -> shape, got {type(max_shapes).__name__}")
-            for name, shape in max_shapes.items():
-                if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or not all(
-                        isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
-                    raise ValueError(f"max_shapes[{name!r}] must be a tuple of non-negative ints, got {shape!r}")
-            max_shapes = {name: tuple(int(d) for d in shape) for name, shape in max_shapes.items()}
+            max_shapes = {name: _max_shape(name, shape) for name, shape in max_shapes.items()}
         self.max_shapes = max_shapes
 
     def plan(self, layout: Layout, length: int, default_variants: int = 1) -> tuple[int, np.ndarray | None, int]:
@@ -65,6 +61,27 @@ class CreateOptions:
         if index is not None:
             index = index[:slots]
         return slots, index, variants
+
+
+def _is_count(value: Any) -> bool:
+    """An integer, Python or numpy, that is not a bool (True is an int to Python, never a count here)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _max_shape(name: Any, shape: Any) -> tuple[int, ...]:
+    """One validated ``max_shapes`` entry: a field path and a sequence of non-negative integers."""
+    if not isinstance(name, str):
+        raise ValueError(f"max_shapes key {name!r} is a {type(name).__name__}; keys are field paths (str), e.g. "
+                         "'0' or 'image'")
+    if isinstance(shape, np.ndarray) and shape.ndim == 1:
+        shape = shape.tolist()  # numpy integers become ints; a float array fails below
+    if _is_count(shape):
+        raise ValueError(f"max_shapes[{name!r}] must be a tuple of non-negative ints, got {shape!r} (an integer); "
+                         f"for a 1-D field write max_shapes={{{name!r}: ({int(shape)},)}}")
+    if not isinstance(shape, (tuple, list)) or not all(_is_count(d) and d >= 0 for d in shape):
+        raise ValueError(f"max_shapes[{name!r}] must be a tuple of non-negative ints, got {shape!r}; give one "
+                         f"maximum per dimension, e.g. max_shapes={{{name!r}: (3, 512, 512)}}")
+    return tuple(int(d) for d in shape)
 
 
 def source_length(dataset: Any) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 from . import _gather
 from ._gather import take
 from ._codec import batch_builder, batch_converter, compile_checker, leaf_converter, sample_builder
-from ._layout import BOOL, FLOAT, INT, NPSCALAR, TENSOR, Field
+from ._layout import BOOL, FLOAT, INT, NDARRAY, NPSCALAR, TENSOR, Field
 from ._store import Store
 
 # A reader that loses the seqlock race this many times in a row (a row rewritten again and again) gives up and
@@ -39,6 +39,10 @@ class RowReader:
         self.check = compile_checker(layout)
         self.build_batch = batch_builder(layout.structure)
         self._readers = [self._field_reader(n) for n in range(len(self.fields))]
+        # Closures over the maps, never over self: a cycle through self would keep the maps (and the file
+        # system) busy after close until the garbage collector ran.
+        self._raw_readers = [_raw_reader(data, shapes) for data, shapes in zip(self.data, self.shapes)]
+        self._miss_converters = [_value_converter(f) for f in self.fields]
         self._batch_converters = [batch_converter(f) for f in self.fields]
         self._splitters = [_splitter(f) for f in self.fields]
         self._row_bytes = [f.nbytes for f in self.fields]
@@ -70,23 +74,20 @@ class RowReader:
 
     def read(self, row: int) -> Any | None:
         """The sample in ``row``, or None if it is not filled (or stale, or being written): a miss."""
-        filled, seq = self.state.filled, self.state.seq
-        byte, bit = row >> 3, row & 7
-        for _ in range(_RETRIES):
-            if not filled[byte] >> bit & 1:
-                return None
-            if self.recompute_stale and self.state.stale[byte] >> bit & 1:
-                return None
-            before = seq[row]
-            if before & 1:
-                return None
-            leaves = [read(row) for read in self._readers]
-            if seq[row] == before:
-                return self.build(leaves)
-        return None
+        leaves = self._consistent(row, self._readers)
+        return None if leaves is None else self.build(leaves)
 
     def read_values(self, row: int) -> list[np.ndarray] | None:
         """The flattened stored values of ``row`` (numpy, at actual shape), or None on a miss."""
+        return self._consistent(row, self._raw_readers)
+
+    def _consistent(self, row: int, readers: list[Callable[[int], Any]]) -> list[Any] | None:
+        """Each reader's value of ``row``, copied under the seqlock; None if the row is not readable.
+
+        The one seqlock read loop: the copy counts only if the row's counter was even before it and unchanged
+        after it (no writer started or finished meanwhile). A row rewritten ``_RETRIES`` times in a row is
+        treated as a miss, which waits for the writer lock instead of spinning.
+        """
         filled, seq = self.state.filled, self.state.seq
         byte, bit = row >> 3, row & 7
         for _ in range(_RETRIES):
@@ -95,17 +96,20 @@ class RowReader:
             before = seq[row]
             if before & 1:
                 return None
-            values = [self._raw(n, row) for n in range(len(self.fields))]
+            values = [read(row) for read in readers]
             if seq[row] == before:
                 return values
         return None
 
-    def _raw(self, n: int, row: int) -> np.ndarray:
-        shapes = self.shapes[n]
-        if shapes is None:
-            return self.data[n][row, ...].copy()
-        shape = tuple(shapes[row].tolist())
-        return self.data[n][row].reshape(-1)[: int(np.prod(shape, dtype=np.int64))].reshape(shape).copy()
+    def sample_from_values(self, values: list[Any]) -> Any:
+        """The sample a hit would return, from what ``check(sample, index)`` returned for a miss.
+
+        A miss thereby returns the same types as a hit: a plain ``Tensor`` (not requiring grad, not a
+        ``Parameter`` or other subclass), ``int``/``float``/``bool`` (not an ``IntEnum``), a base-class ndarray,
+        a numpy scalar, and the cache's containers. Arrays are not copied: a tensor shares memory with the
+        source's (``torch.from_numpy`` of the checked numpy view), as a hit's tensor is a view of its own copy.
+        """
+        return self.build([convert(value) for convert, value in zip(self._miss_converters, values)])
 
     def write(self, row: int, values: list[Any]) -> None:
         """Copies a checked sample's values into ``row``. The caller holds the writer lock (``publish``).
@@ -179,6 +183,17 @@ class RowReader:
         return self.build_batch([convert(column) for convert, column in zip(self._batch_converters, columns)])
 
 
+def _raw_reader(data: np.ndarray, shapes: np.ndarray | None) -> Callable[[int], np.ndarray]:
+    """A function copying one field of a row out of the map as numpy, at its actual shape."""
+    if shapes is None:
+        return lambda row: data[row, ...].copy()
+
+    def read_variable(row: int) -> np.ndarray:
+        shape = tuple(shapes[row].tolist())
+        return data[row].reshape(-1)[: int(np.prod(shape, dtype=np.int64))].reshape(shape).copy()
+    return read_variable
+
+
 def _splitter(field: Field) -> Callable[[np.ndarray], list[Any]]:
     """Splits a gathered batch array into per-sample values of the source's types."""
     if field.kind == TENSOR:
@@ -186,7 +201,26 @@ def _splitter(field: Field) -> Callable[[np.ndarray], list[Any]]:
         return lambda batch: list(convert(batch).unbind(0))
     if field.kind in (INT, FLOAT, BOOL):
         return lambda batch: batch.tolist()
+    if field.kind == NDARRAY and not field.shape:
+        # Iterating a 1-D batch yields numpy scalars; a 0-d ndarray field must stay a 0-d ndarray, as ds[i] gives.
+        return lambda batch: [batch[i, ...] for i in range(len(batch))]
     return list  # ndarray rows (views of the fresh batch) or numpy scalars (iteration yields copies)
+
+
+def _value_converter(field: Field) -> Callable[[Any], Any]:
+    """Turns one value returned by the checker (fast path: the source's own object or a numpy view of its
+    tensor; slow path: a numpy array) into the type a hit returns for ``field``."""
+    if field.kind == INT:
+        return int  # int(x) of an exact int is x itself; of an IntEnum or a 0-d array, a plain int
+    if field.kind == FLOAT:
+        return float
+    if field.kind == BOOL:
+        return bool
+    if field.kind == NPSCALAR:
+        return lambda value: value[()]  # a numpy scalar from a numpy scalar or a 0-d array
+    if field.kind == NDARRAY:
+        return np.asarray  # drops ndarray subclasses (np.memmap, np.matrix) without a copy
+    return leaf_converter(field)  # torch.from_numpy (and a view for dtypes numpy lacks): a plain Tensor
 
 
 def _pwrite_all(fd: int, value: np.ndarray, offset: int) -> None:
