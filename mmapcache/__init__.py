@@ -20,6 +20,7 @@ from .errors import (
     UnsupportedFileSystemError,
     UsageError,
     WorkerStartError,
+    SourceError,
 )
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "verify",
     "VerifyResult",
     "describe",
+    "list_caches",
+    "cache_root",
     "remove",
     "gc",
     "MmapCacheError",
@@ -46,6 +49,7 @@ __all__ = [
     "BuildWorkerDiedError",
     "UsageError",
     "WorkerStartError",
+    "SourceError",
     "CacheReadOnlyWarning",
 ]
 
@@ -54,10 +58,12 @@ __all__ = [
 _LAZY = {
     "MmapCachedDataset": "dataset",
     "build": "_build",
-    "BuildReport": "_build",
+    "BuildReport": "_driver",
     "verify": "_verify",
     "VerifyResult": "_verify",
     "describe": "_report",
+    "list_caches": "_report",
+    "cache_root": "_paths",
     "remove": "_admin",
     "gc": "_admin",
 }

@@ -5,7 +5,6 @@ Numpy only (``_store``, ``_format``, ``_filled``, ``_layout``): inspecting a cac
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 from typing import Any
 
@@ -15,10 +14,11 @@ from . import _format as fmt
 from ._sizes import format_size
 from ._admin import users_of
 from ._create import free_bytes
+from ._paths import cache_root, resolve_path
 from ._store import Store
 from .errors import MmapCacheError
 
-__all__ = ["describe", "render", "fill_map", "disk_bytes", "list_caches", "render_list"]
+__all__ = ["describe", "fill_map", "disk_bytes", "list_caches"]
 
 # Density ramp of the fill map: a cell's character says how full its range of indices is (empty ... full).
 _RAMP = " .:-=+*#%@"
@@ -63,12 +63,14 @@ def fill_map(filled_per_index: np.ndarray, cells: int = _CELLS) -> str:
     return "".join(out)
 
 
-def describe(path: str) -> dict[str, Any]:
-    """Everything ``inspect`` reports about the cache at ``path`` (opened read-only, not registered as a user).
+def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Everything ``mmapcache inspect`` reports about the cache at ``path`` (a bare name resolves under
+    ``$MMAPCACHE_DIR``), as a JSON-able dict. Opened read-only, not registered as a user. Safe across processes.
 
     Raises:
         CacheNotFoundError, CacheFormatError: no cache there, or a damaged one.
     """
+    path = resolve_path(path)
     store = Store(path, writable=False)
     try:
         meta, state = store.meta, store.state
@@ -88,7 +90,6 @@ def describe(path: str) -> dict[str, Any]:
                 "name": field.name, "kind": field.kind, "dtype": field.torch_dtype or np.dtype(field.dtype).name,
                 "shape": list(field.shape), "variable": field.variable, "file": spec["file"],
             })
-        modified = os.stat(os.path.join(path, fmt.FILLED)).st_mtime
         n_filled = int(filled.sum())
         return {
             "path": path,
@@ -104,10 +105,11 @@ def describe(path: str) -> dict[str, Any]:
             "stale": int(stale.sum()),
             "bytes": disk_bytes(path),
             "free_bytes": free_bytes(path),
+            "size": format_size(disk_bytes(path)),
+            "free": format_size(free_bytes(path)),
             "fingerprint": meta["fingerprint"],
             "delete_on_close": bool(meta.get("delete_on_close")),
             "created": meta.get("created"),
-            "modified": _dt.datetime.fromtimestamp(modified, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "fields": fields,
             "users": users_of(path),
             "fill_map": fill_map(per_index),
@@ -116,37 +118,12 @@ def describe(path: str) -> dict[str, Any]:
         store.close()
 
 
-def render(info: dict[str, Any]) -> str:
-    """``describe``'s result as aligned text lines."""
-    slots = f"{info['slots']} of {info['length']} ({100 * info['slot_fraction']:.1f}%)"
-    fields = [f"{f['name']}: {f['dtype']} {tuple(f['shape'])}{' (max, variable)' if f['variable'] else ''}"
-              for f in info["fields"]]
-    users = ", ".join(map(str, info["users"])) or "none"
-    lines = [
-        ("path", info["path"]),
-        ("format", f"version {info['format_version']} (written by mmapcache {info['library_version']})"),
-        ("length", str(info["length"])),
-        ("cacheable", slots),
-        ("variants", str(info["variants"])),
-        ("filled", f"{info['filled']} of {info['rows']} rows ({100 * info['fraction']:.1f}%)"),
-        ("stale", str(info["stale"])),
-        ("size", f"{format_size(info['bytes'])} on disk, {format_size(info['free_bytes'])} free on its file system"),
-        ("fingerprint", str(info["fingerprint"])),
-        ("created", str(info["created"])),
-        ("modified", info["modified"]),
-        ("users", users),
-        ("fields", fields[0] if fields else ""),
-    ]
-    width = max(len(k) for k, _ in lines) + 1
-    text = [f"{k + ':':<{width}} {v}" for k, v in lines]
-    text += [f"{'':<{width}} {f}" for f in fields[1:]]
-    text.append(f"{'fill map:':<{width}} |{info['fill_map']}|  (index 0 ... {info['length'] - 1}; ' ' empty, '@' full, "
-                f"'_' not cacheable)")
-    return "\n".join(text)
-
-
-def list_caches(directory: str) -> list[dict[str, Any]]:
-    """One entry per cache directly under ``directory`` (sorted by name); damaged caches carry ``error``."""
+def list_caches(directory: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """One entry per cache directly under ``directory`` (default ``$MMAPCACHE_DIR``), sorted by name; damaged
+    caches carry ``error``. Safe across processes."""
+    directory = os.path.realpath(os.fspath(directory) if directory is not None else cache_root())
+    if not os.path.isdir(directory):
+        return []
     entries = []
     for name in sorted(os.listdir(directory)):
         full = os.path.join(directory, name)
@@ -158,30 +135,16 @@ def list_caches(directory: str) -> list[dict[str, Any]]:
         except (MmapCacheError, OSError) as exc:
             entry["error"] = str(exc)
             entry["bytes"] = disk_bytes(full)
+            entry["size"] = format_size(entry["bytes"])
             entries.append(entry)
             continue
         try:
             filled = store.state.count_filled()
             entry.update(length=store.length, variants=store.variants, rows=store.rows, filled=filled,
-                         fraction=filled / store.rows if store.rows else 0.0, bytes=disk_bytes(full))
+                         fraction=filled / store.rows if store.rows else 0.0, bytes=disk_bytes(full),
+                         cacheable=store.slots / store.length if store.length else 0.0)
+            entry["size"] = format_size(entry["bytes"])
         finally:
             store.close()
         entries.append(entry)
     return entries
-
-
-def render_list(entries: list[dict[str, Any]]) -> str:
-    """``list_caches``'s result as an aligned table."""
-    table = [("NAME", "LENGTH", "FILLED", "SIZE", "USERS")]
-    for e in entries:
-        users = ",".join(map(str, e["users"])) or "-"
-        if "error" in e:
-            table.append((e["name"], "?", "damaged", format_size(e["bytes"]), users))
-        else:
-            table.append((e["name"], str(e["length"]), f"{100 * e['fraction']:.1f}%", format_size(e["bytes"]), users))
-    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
-    lines = []
-    for row in table:
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:-1], widths[1:-1])] + [row[-1]]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)

@@ -17,6 +17,8 @@ import numpy as np
 
 from . import _format as fmt
 from ._files import check_entry
+from ._paths import resolve_path
+from ._specs import DatasetSpec
 from ._store import Store
 
 __all__ = ["VerifyResult", "verify"]
@@ -43,18 +45,25 @@ class VerifyResult:
         return not self.problems and not self.differences and self.mismatch is None
 
 
-def verify(path: str, dataset: Any = None, *, samples: int | None = 100, seed: int | None = None) -> VerifyResult:
+def verify(path: str | os.PathLike[str], dataset: Any = None, *, kwargs: dict[str, Any] | None = None,
+           samples: int | None = 100, seed: int | None = None) -> VerifyResult:
     """Checks the cache at ``path``; with ``dataset``, recomputes filled samples and compares them byte for byte.
+    Safe across processes: it registers as a user of the cache while it reads.
 
     Args:
-        path: the cache directory.
-        dataset: the source (deterministic: a source with random augmentation always differs).
+        path: the cache directory (a bare name resolves under ``$MMAPCACHE_DIR``).
+        dataset: the source (deterministic: a source with random augmentation always differs), or a spec string
+            (``package.module:name``, ``path/to/file.py:name``) called with ``kwargs``.
+        kwargs: keyword arguments for a spec string.
         samples: how many filled samples (source indices) to recompute, chosen at random; None: all of them.
         seed: seed of that choice (None: a fresh one).
 
     Raises:
         CacheNotFoundError, CacheFormatError: no cache, or damage found while opening it.
     """
+    path = resolve_path(path)
+    if isinstance(dataset, str):
+        dataset = DatasetSpec(dataset, kwargs)()
     entries = _check_entries(path)
     if entries:
         return VerifyResult(path, problems=entries)

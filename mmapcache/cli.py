@@ -17,7 +17,7 @@ import textwrap
 import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
-from .errors import MmapCacheError, UsageError
+from . import MmapCacheError, UsageError, __version__
 
 __all__ = ["main"]
 
@@ -59,18 +59,7 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _size(text: str) -> int:
-    from ._sizes import parse_size
-
-    try:
-        return parse_size(text, "--max-bytes")
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _shard(text: str) -> tuple[int, int]:
-    from ._build import parse_shard
-
     try:
         return parse_shard(text)
     except ValueError as exc:
@@ -78,12 +67,50 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def _range(text: str) -> tuple[int, int | None]:
-    from ._build import parse_range
-
     try:
         return parse_range(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``."""
+    i, sep, n = text.partition("/")
+    try:
+        shard = (int(i), int(n))
+    except ValueError:
+        shard = (-1, 0)
+    if not sep or not 0 <= shard[0] < shard[1]:
+        raise ValueError(f"shard {text!r} is not I/N with 0 <= I < N; pass e.g. 0/4 for the first of four parts")
+    return shard
+
+
+def parse_range(text: str) -> tuple[int, int | None]:
+    """``"A:B"`` (either side may be empty) -> ``(A, B or None)`` with ``0 <= A < B``."""
+    a, sep, b = text.partition(":")
+    try:
+        start = int(a) if a.strip() else 0
+        stop = int(b) if b.strip() else None
+    except ValueError:
+        start, stop = -1, None
+    if not sep or start < 0 or (stop is not None and stop <= start):
+        raise ValueError(f"indices {text!r} is not a range A:B of source indices with 0 <= A < B; pass e.g. 0:1000")
+    return start, stop
+
+
+def parse_kwargs(text: str | None) -> dict[str, Any]:
+    """The ``--kwargs`` JSON object as a dict (``None`` or empty: no arguments)."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--kwargs is not valid JSON ({exc.msg} at column {exc.colno}); pass an object such as "
+                         "'{\"root\": \"/data\", \"size\": 224}'") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--kwargs must be a JSON object of keyword arguments, got a JSON {type(value).__name__}; "
+                         "pass e.g. '{\"size\": 224}'")
+    return value
 
 
 # --- the parser --------------------------------------------------------------------------------------------------
@@ -101,6 +128,7 @@ def _parser() -> _Parser:
             A bare cache name resolves under $MMAPCACHE_DIR (default /dev/shm/mmapcache).
             """),
     )
+    parser.add_argument("--version", action="version", version=f"mmapcache {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -136,7 +164,7 @@ def _parser() -> _Parser:
     p.add_argument("--fingerprint", metavar="STR", help="identification of the source, checked on reuse")
     p.add_argument("--indices", type=_range, metavar="A:B", help="only source indices A <= i < B")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first sample that raises")
-    p.add_argument("--max-bytes", type=_size, metavar="SIZE",
+    p.add_argument("--max-bytes", metavar="SIZE",
                    help="on creation, cache only the samples that fit (e.g. 8G)")
     p.add_argument("--variants", type=_positive_int, metavar="K",
                    help="on creation, store K versions of each sample (the source is called K times)")
@@ -144,6 +172,8 @@ def _parser() -> _Parser:
                    help="on creation, {field path: max shape} for fields whose shape varies, e.g. '{\"0\": [3, 512, 512]}'")
     p.add_argument("--refresh", type=_fraction, metavar="FRACTION",
                    help="first mark this fraction of filled rows stale, then refill them")
+    p.add_argument("--seed", type=int, metavar="N",
+                   help="seed of --refresh's choice of rows (default: a fresh one each run, printed)")
     p.add_argument("--follow", action="store_true",
                    help="keep running: refill rows that become stale or unfilled (poll 0.5 s) until SIGINT/SIGTERM")
     p.set_defaults(run=_cmd_build)
@@ -192,17 +222,8 @@ def _parser() -> _Parser:
 # --- commands ----------------------------------------------------------------------------------------------------
 
 
-def _resolve(path: str) -> str:
-    from ._paths import resolve_path
-
-    try:
-        return resolve_path(path)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
-
-
 def _existing_dir(directory: str | None) -> str:
-    from ._paths import cache_root
+    from . import cache_root
 
     directory = os.path.abspath(directory or cache_root())
     if not os.path.exists(directory):
@@ -213,19 +234,18 @@ def _existing_dir(directory: str | None) -> str:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    from ._specs import DatasetSpec, parse_kwargs
-    from ._build import build
+    from . import build
 
-    spec = DatasetSpec(args.dataset, parse_kwargs(args.kwargs))
+    kwargs = parse_kwargs(args.kwargs)
     with _sigterm_as_interrupt():
         report = build(
-            _resolve(args.path), spec, workers=args.workers, shard=args.shard or "auto", indices=args.indices,
+            args.path, args.dataset, kwargs=kwargs, workers=args.workers, shard=args.shard or "auto", indices=args.indices,
             fingerprint=args.fingerprint, max_bytes=args.max_bytes, variants=args.variants,
             max_shapes=_max_shapes(args.max_shapes), refresh=args.refresh,
-            follow=args.follow, fail_fast=args.fail_fast, progress=True,
+            follow=args.follow, fail_fast=args.fail_fast, seed=args.seed, progress=True,
         )
     if report.marked_stale:
-        print(f"marked {report.marked_stale} rows stale for refresh")
+        print(f"marked {report.marked_stale} rows stale for refresh (seed {report.refresh_seed})")
     print(report.summary(), flush=True)
     for failure in report.failed[:20]:
         print(f"mmapcache: failed: {failure}", file=sys.stderr)
@@ -275,25 +295,25 @@ class _sigterm_as_interrupt:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ._report import describe, render
+    from . import describe
 
-    info = describe(_resolve(args.path))
+    info = describe(args.path)
     if args.json:
         print(json.dumps(info, indent=1))
     else:
-        print(render(info))
+        print(_render(info))
     return 0
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from ._report import list_caches, render_list
+    from . import list_caches
 
     directory = _existing_dir(args.dir)
-    entries = list_caches(directory) if os.path.isdir(directory) else []
+    entries = list_caches(directory)
     if args.json:
         print(json.dumps(entries, indent=1))
     elif entries:
-        print(render_list(entries))
+        print(_render_list(entries))
     else:
         print(f"no caches in {directory}", file=sys.stderr)
     return 0
@@ -308,17 +328,13 @@ def _cmd_rm(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from ._verify import verify
+    from . import verify
 
-    path = _resolve(args.path)
-    dataset = None
-    if args.source:
-        from ._specs import DatasetSpec, parse_kwargs
-
-        dataset = DatasetSpec(args.source, parse_kwargs(args.kwargs))()
-    elif args.kwargs:
+    if args.kwargs and not args.source:
         raise UsageError("--kwargs needs --source (the dataset to compare with)")
-    result = verify(path, dataset, samples=None if args.all else args.samples)
+    dataset = args.source
+    result = verify(args.path, dataset, kwargs=parse_kwargs(args.kwargs), samples=None if args.all else args.samples)
+    path = result.path
     if result.mismatch:
         print(f"mmapcache: mismatch: {result.mismatch}", file=sys.stderr)
     for problem in result.problems:
@@ -351,6 +367,58 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- presentation ------------------------------------------------------------------------------------------------
+
+
+def _render(info: dict[str, Any]) -> str:
+    """``describe``'s result as aligned text lines."""
+    slots = f"{info['slots']} of {info['length']} ({100 * info['slot_fraction']:.1f}%)"
+    fields = [f"{f['name']}: {f['dtype']} {tuple(f['shape'])}{' (max, variable)' if f['variable'] else ''}"
+              for f in info["fields"]]
+    users = ", ".join(map(str, info["users"])) or "none"
+    lines = [
+        ("path", info["path"]),
+        ("format", f"version {info['format_version']} (written by mmapcache {info['library_version']})"),
+        ("length", str(info["length"])),
+        ("cacheable", slots),
+        ("variants", str(info["variants"])),
+        ("filled", f"{info['filled']} of {info['rows']} rows ({100 * info['fraction']:.1f}%)"),
+        ("stale", str(info["stale"])),
+        ("size", f"{info['size']} on disk, {info['free']} free on its file system"),
+        ("fingerprint", str(info["fingerprint"])),
+        ("created", str(info["created"])),
+        ("users", users),
+        ("fields", fields[0] if fields else ""),
+    ]
+    width = max(len(k) for k, _ in lines) + 1
+    text = [f"{k + ':':<{width}} {v}" for k, v in lines]
+    text += [f"{'':<{width}} {f}" for f in fields[1:]]
+    text.append(f"{'fill map:':<{width}} |{info['fill_map']}|  (index 0 ... {info['length'] - 1})")
+    text.append(f"{'':<{width}} one character per range of indices: ' ' empty, '.:-=+*#%' partly filled (more to the "
+                "right), '@' full, '_' not cacheable")
+    return "\n".join(text)
+
+
+def _render_list(entries: list[dict[str, Any]]) -> str:
+    """``list_caches``'s result as an aligned table."""
+    # CACHEABLE: the share of samples the cache can hold (max_bytes/cache_indices); FILLED: the share of those
+    # (all their variants) already stored. A full partial cache reads "76.6%  100.0%", never a bare "100.0%".
+    table = [("NAME", "LENGTH", "CACHEABLE", "FILLED", "SIZE", "USERS")]
+    for e in entries:
+        users = ",".join(map(str, e["users"])) or "-"
+        if "error" in e:
+            table.append((e["name"], "?", "-", "damaged", e["size"], users))
+        else:
+            table.append((e["name"], str(e["length"]), f"{100 * e['cacheable']:.1f}%", f"{100 * e['fraction']:.1f}%",
+                          e["size"], users))
+    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
+    lines = []
+    for row in table:
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:-1], widths[1:-1])] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
 # --- entry point -------------------------------------------------------------------------------------------------
 
 
@@ -359,7 +427,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        args = _parser().parse_args(argv)
+        parser = _parser()
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            # argparse reports these from the top-level parser; the fix is in the subcommand's help.
+            raise UsageError(f"unrecognized arguments: {' '.join(extras)} (see `{_PROG} {args.command} --help`)")
         run: Callable[[argparse.Namespace], int] = args.run
         return run(args)
     except SystemExit as exc:  # --help, or argparse's own exit

@@ -256,12 +256,13 @@ class MmapCachedDataset(Dataset):
         )
 
     def _miss(self, index: int, row: int) -> Any:
-        """Computes a sample that is not readable from the cache, and stores it if it is cacheable."""
+        """Computes a sample that is not readable from the cache, and stores it if it is cacheable. A stored miss is
+        returned as a hit would return it (a plain Tensor, an int...), not as the source's own objects."""
         self._require_source(index, row)
         sample = self._fetch(index)
-        if row >= 0:
-            self._publish(index, row, sample)
-        return sample
+        if row < 0:
+            return sample  # passes through, never stored
+        return self._ensure_open().sample_from_values(self._publish(index, row, sample))
 
     def _checked(self, reader: RowReader, sample: Any, index: int) -> list[Any]:
         values = reader.check(sample, index)

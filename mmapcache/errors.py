@@ -23,6 +23,7 @@ __all__ = [
     "BuildWorkerDiedError",
     "UsageError",
     "WorkerStartError",
+    "SourceError",
     "CacheReadOnlyWarning",
 ]
 
@@ -99,6 +100,11 @@ class UsageError(MmapCacheError, ValueError):
 class WorkerStartError(MmapCacheError, RuntimeError):
     """DataLoader workers cannot be started with this dataset (e.g. ``spawn`` cannot import what an interactive
     ``__main__`` defines)."""
+
+
+class SourceError(MmapCacheError, RuntimeError):
+    """The source dataset raised where the library, not the caller, asked it for a sample (``build`` opening a
+    cache); the source's exception is chained as ``__cause__``."""
 
 
 class CacheReadOnlyWarning(UserWarning):

@@ -15,8 +15,9 @@ import torch
 
 from mmapcache import MmapCachedDataset
 from mmapcache import build
-from mmapcache._build import chunk_rows
+from mmapcache._fill import chunk_rows
 from mmapcache.cli import main
+from helpers.processes import kill_alive
 from helpers.sources import ImageLabels, sample_equal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,7 +51,7 @@ def test_build_with_two_workers_then_dataloader_reads_source_bytes(cache_path: s
               "--workers", "2")
     assert out.returncode == 0, out.stderr
     summary = out.stdout.strip().splitlines()[-1]
-    assert "filled 39, skipped 1 (already there), failed 0" in summary  # sample 0 was stored when creating
+    assert "filled 40, skipped 0 (already there), failed 0" in summary  # sample 0 too, stored while creating it
     assert sorted(calls(log)) == list(range(40))  # every sample computed exactly once
     source = ImageLabels(40)
     with MmapCachedDataset(cache_path) as ds:  # no source: every read is a hit or SampleNotCachedError
@@ -232,13 +233,76 @@ def test_follow_refills_rows_marked_stale_elsewhere_then_exits_on_sigterm(cache_
     assert "filled 2," in stdout.strip().splitlines()[-1] and "(interrupted)" in stdout
 
 
-def test_a_worker_killed_by_a_signal_is_one_error_line(cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["build", cache_path, "--dataset", f"{SPEC}:Crashing", "--kwargs", '{"n": 32, "crash_at": 10}',
-                 "--workers", "2"])
-    _, err = capsys.readouterr()
-    assert code == 2
-    assert err.startswith("mmapcache: error: a build worker died") and len(err.splitlines()) == 1, err
-    assert "rerun the same command" in err
+@pytest.mark.parametrize("how", ["kill", "exit"])
+def test_a_sample_that_kills_its_worker_is_named_and_skipped(cache_path: str, capsys: pytest.CaptureFixture[str],
+                                                             how: str) -> None:
+    """One run fills every other sample and names the killer (exit 1), instead of dying a little further on
+    each rerun without saying which sample it was."""
+    n, killer = 2000, 1234
+    code = main(["build", cache_path, "--dataset", f"{SPEC}:Crashing", "--kwargs",
+                 f'{{"n": {n}, "crash_at": {killer}, "how": "{how}"}}', "--workers", "2", "--fingerprint", "c"])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert f"failed: sample {killer}: its build worker died computing it" in err
+    assert "1 sample(s) failed" in err and f"filled {n - 1}," in out.strip().splitlines()[-1], out
     with MmapCachedDataset(cache_path) as ds:
-        assert not ds.is_cached(10)
-        assert all(sample_equal(ds[i], ImageLabels(32)[i]) for i in range(32) if ds.is_cached(i))
+        assert not ds.is_cached(killer) and ds.num_cached == n - 1
+        assert all(sample_equal(ds[i], ImageLabels(n)[i]) for i in range(0, n, 97) if i != killer)
+
+
+def test_rm_refuses_a_running_build_and_force_stops_it_with_one_line(cache_path: str) -> None:
+    """A build is a registered user: a plain rm refuses it; rm --force makes the build stop with one line saying
+    the cache was removed, not with a failure per remaining sample blaming the source."""
+    proc = subprocess.Popen([sys.executable, "-m", "mmapcache", "build", cache_path, "--dataset", f"{SPEC}:images",
+                             "--kwargs", '{"n": 2000, "delay": 0.005}', "--workers", "2"], env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # started and filling
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            if os.path.exists(cache_path):
+                with MmapCachedDataset(cache_path) as ds:
+                    if ds.num_cached > 20:
+                        break
+            time.sleep(0.05)
+        refused = subprocess.run([sys.executable, "-m", "mmapcache", "rm", cache_path], env=ENV, text=True,
+                                 capture_output=True, timeout=60)
+        assert refused.returncode == 2 and f"in use by process(es) {proc.pid}" in refused.stderr, refused.stderr
+        forced = subprocess.run([sys.executable, "-m", "mmapcache", "rm", "--force", cache_path], env=ENV, text=True,
+                                capture_output=True, timeout=60)
+        assert forced.returncode == 0, forced.stderr
+        out, err = proc.communicate(timeout=90)
+    finally:
+        kill_alive([proc])
+    assert proc.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "was removed while this build filled it" in lines[0], err
+    assert "failed" not in err and "fix the source" not in err
+
+
+def test_a_source_raising_on_sample_0_is_one_line(cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["build", cache_path, "--dataset", f"{SPEC}:Failing", "--kwargs", '{"bad": [0]}', "--workers", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "the source raised computing sample 0" in err and "--debug" in err
+    assert not os.path.exists(cache_path)
+
+
+def test_indices_beyond_the_dataset_are_refused(cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["build", cache_path, "--dataset", f"{SPEC}:images", "--kwargs", '{"n": 40}', "--workers", "1",
+                 "--indices", "10000:20000"])
+    err = capsys.readouterr().err
+    assert code == 2 and "start beyond the dataset's 40 samples" in err, err
+
+
+def test_repeated_refreshes_draw_fresh_rows_unless_seeded(cache_path: str) -> None:
+    assert build(cache_path, f"{SPEC}:images", kwargs={"n": 200}, workers=1).ok
+    seeds = {build(cache_path, f"{SPEC}:images", kwargs={"n": 200}, workers=1, refresh=0.2).refresh_seed
+             for _ in range(3)}
+    assert len(seeds) == 3  # a fresh choice each run: five runs of 0.2 no longer refresh the same 40 rows
+    with MmapCachedDataset(cache_path) as ds:
+        marks = []
+        for _ in range(2):  # the same seed marks the same rows
+            report = build(cache_path, f"{SPEC}:images", kwargs={"n": 200}, workers=1, refresh=0.2, seed=7)
+            marks.append(report.marked_stale)
+        assert marks == [40, 40] and ds.num_cached == 200

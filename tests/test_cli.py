@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mmapcache import MmapCachedDataset
+import mmapcache
 from mmapcache._create import make_scratch
 from mmapcache.cli import main
 from helpers.sources import ImageLabels
@@ -82,7 +83,7 @@ def test_ls_lists_caches_sorted_and_aligned(shm_dir: str, capsys: pytest.Capture
     assert code == 0
     lines = out.strip().splitlines()
     assert [line.split()[0] for line in lines] == ["NAME", "alpha", "beta"]
-    assert lines[1].split()[1:3] == ["8", "100.0%"] and lines[2].split()[1:3] == ["20", "25.0%"]
+    assert lines[1].split()[1:4] == ["8", "100.0%", "100.0%"] and lines[2].split()[1:4] == ["20", "100.0%", "25.0%"]
     assert len({line.index("%") for line in lines[1:]}) == 1  # right-aligned columns
     code, out, _ = run("ls", shm_dir, "--json", capsys=capsys)
     entries = json.loads(out)
@@ -288,3 +289,25 @@ def test_variable_shapes_build_inspect_and_verify(cache_path: str, capsys: pytes
     del shapes
     code, _, err = run("verify", cache_path, capsys=capsys)
     assert code == 1 and "row 4 holds shape (9,), outside the maximum (8,) of field 'tokens'" in err
+
+
+def test_ls_shows_the_cacheable_share_of_a_partial_cache(shm_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A full max_bytes cache that holds a quarter of the samples must not read as a bare "100.0%"."""
+    make_cache(os.path.join(shm_dir, "part"), n=40, cache_indices=list(range(10)))
+    code, out, _ = run("ls", capsys=capsys)
+    header, line = out.strip().splitlines()
+    assert header.split()[:4] == ["NAME", "LENGTH", "CACHEABLE", "FILLED"]
+    assert line.split()[:4] == ["part", "40", "25.0%", "100.0%"]
+
+
+def test_version_typo_help_legend_and_not_a_cache(shm_dir: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run("--version", capsys=capsys)
+    assert code == 0 and out.strip() == f"mmapcache {mmapcache.__version__}"
+    code, _, err = run("build", "x", "--dataset", "a:b", "--wrkers", "2", capsys=capsys)
+    assert code == 2 and "unrecognized arguments: --wrkers" in err and "`mmapcache build --help`" in err
+    make_cache(os.path.join(shm_dir, "c"), n=40, fill=20)
+    code, out, _ = run("inspect", os.path.join(shm_dir, "c"), capsys=capsys)
+    assert code == 0 and "modified" not in out
+    assert "' ' empty, '.:-=+*#%' partly filled (more to the right), '@' full, '_' not cacheable" in out
+    code, _, err = run("inspect", str(tmp_path), capsys=capsys)
+    assert code == 2 and "is not an mmapcache cache (it has no meta.json)" in err and "remove" not in err

@@ -200,3 +200,26 @@ def test_created_says_who_made_the_cache(cache_path: str) -> None:
         assert first.created and first.num_cached == 1  # the first sample, stored while creating the cache
     with MmapCachedDataset(cache_path, ImageLabels(8)) as again, MmapCachedDataset(cache_path) as reader:
         assert not again.created and not reader.created
+
+
+class _Typed(torch.utils.data.Dataset):
+    """Returns a Parameter, a tensor requiring grad and an IntEnum: what a hit can never return."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        import enum
+
+        label = enum.IntEnum("Label", "A B C D")(i + 1)
+        return torch.nn.Parameter(torch.full((3,), float(i))), torch.ones(2, requires_grad=True) * i, label
+
+
+def test_a_miss_returns_what_a_hit_returns(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, _Typed()) as ds:
+        miss = ds[2]
+        hit = ds[2]
+    for a, b in zip(miss, hit):
+        assert type(a) is type(b), (type(a), type(b))
+    assert type(miss[0]) is torch.Tensor and not miss[1].requires_grad and type(miss[2]) is int
+    assert sample_equal(miss, hit)
