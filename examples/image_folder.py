@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     for epoch in range(args.epochs):
         start = time.perf_counter()
         seen, checksum = 0, 0.0
-        for images, labels in loader:
+        for images, _labels in loader:
             seen += len(images)
             checksum += float(images.float().mean())  # stands in for the training step
         times.append(time.perf_counter() - start)

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         read(args.cache)
     else:  # two separate interpreters, the second started after the first has exited
         for command in ("fill", "read"):
-            done = subprocess.run([sys.executable, __file__, command, "--cache", args.cache, "--samples", str(args.samples)])
+            done = subprocess.run([sys.executable, __file__, command, "--cache", args.cache,
+                                   "--samples", str(args.samples)])
             if done.returncode:
                 return done.returncode
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
 from .errors import (
@@ -16,11 +18,11 @@ from .errors import (
     LayoutError,
     MmapCacheError,
     SampleNotCachedError,
+    SourceError,
     SpecError,
     UnsupportedFileSystemError,
     UsageError,
     WorkerStartError,
-    SourceError,
 )
 
 __all__ = [
@@ -52,6 +54,15 @@ __all__ = [
     "SourceError",
     "CacheReadOnlyWarning",
 ]
+
+if TYPE_CHECKING:  # what the lazy names below are, for type checkers
+    from ._admin import gc, remove
+    from ._build import build
+    from ._driver import BuildReport
+    from ._paths import cache_root
+    from ._report import describe, list_caches
+    from ._verify import VerifyResult, verify
+    from .dataset import MmapCachedDataset
 
 # Loaded lazily (PEP 562): the dataset module imports torch, and the others need not be paid for by a script
 # that only opens a cache, so `mmapcache inspect` starts without importing torch.

@@ -15,7 +15,6 @@ from ._paths import cache_root, resolve_path
 from .errors import CacheFormatError, CacheInUseError, CacheNotFoundError
 
 
-
 def users_of(path: str) -> list[int]:
     """Pids holding a lock on the cache's ``users`` file, read from ``/proc/locks`` (Linux)."""
     try:
@@ -128,7 +127,7 @@ def sweep(parent: str) -> list[str]:
     """Removes what dead processes left in ``parent``: scratch directories of interrupted creations and removals
     (only those proven ours: see ``_create.SCRATCH``), and ``delete_on_close`` caches that no process uses any
     more. Nothing else is ever touched. Caller holds the parent lock."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(parent)
     except OSError:

@@ -17,18 +17,19 @@ import os
 import secrets
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from ._driver import BuildReport, Driver, Failure
 from ._fill import Plan, chunk_rows
-from ._specs import DatasetSpec
-from ._paths import resolve_path
-from ._store import Store
 from ._open import Request, Source, open_cache
 from ._options import CreateOptions
+from ._paths import resolve_path
 from ._rows import RowMap
+from ._specs import DatasetSpec
+from ._store import Store
 from .errors import CacheReadOnlyError, SourceError
 
 __all__ = ["build", "BuildReport", "Failure", "auto_shard"]
@@ -61,7 +62,7 @@ def build(
     fingerprint: str | None = None,
     max_bytes: int | str | None = None,
     variants: int | None = None,
-    max_shapes: dict[str, Sequence[int]] | None = None,
+    max_shapes: Mapping[str, Sequence[int]] | None = None,
     refresh: float | None = None,
     follow: bool = False,
     fail_fast: bool = False,
@@ -110,6 +111,8 @@ def build(
         shard = auto_shard()
         if shard is not None and workers is None:
             workers = max(1, len(os.sched_getaffinity(0)) // shard[1])
+    elif isinstance(shard, str):
+        raise ValueError(f"shard must be (i, n), 'auto' or None, got {shard!r}")
     if workers is None:
         workers = len(os.sched_getaffinity(0))
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -142,7 +145,7 @@ def build(
 
 
 def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, max_bytes: Any,
-                    variants: int | None, max_shapes: dict[str, Sequence[int]] | None,
+                    variants: int | None, max_shapes: Mapping[str, Sequence[int]] | None,
                     deterministic: bool) -> tuple[Store, bool]:
     """Opens the cache, checking that it matches the source (its first sample's layout, and its bytes without a
     fingerprint: before any worker starts), or creates it. Returns it registered as used by this process."""
@@ -173,7 +176,7 @@ def _release(store: Store) -> None:
 def _mark_stale(store: Store, fraction: float, seed: int | None) -> int:
     """Marks a random ``fraction`` of the filled rows stale (``seed`` None: a fresh choice every call)."""
     filled = np.flatnonzero(store.state.filled_mask())
-    rows = np.random.default_rng(seed).choice(filled, size=int(round(fraction * len(filled))), replace=False)
+    rows = np.random.default_rng(seed).choice(filled, size=round(fraction * len(filled)), replace=False)
     return store.state.mark_stale(rows)
 
 

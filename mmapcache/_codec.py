@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import sys
 from collections import namedtuple
+from collections.abc import Callable, Sequence
 from operator import itemgetter
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,9 +31,9 @@ def _namedtuple_class(module: str, qualname: str, names: list[str]) -> type:
             obj = getattr(obj, part)
         if isinstance(obj, type) and list(getattr(obj, "_fields", ())) == names:
             return obj
-    except Exception:  # noqa: BLE001 - any import failure falls back to an equivalent class
+    except Exception:
         pass
-    return namedtuple(qualname.rsplit(".", 1)[-1], names)  # type: ignore[misc]
+    return namedtuple(qualname.rsplit(".", 1)[-1], names)
 
 
 def _leaf_numbers(children: list[Any]) -> list[int] | None:
@@ -49,6 +50,14 @@ def _getter(numbers: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
         n = numbers[0]
         return lambda leaves: (leaves[n],)
     return lambda leaves: ()
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _leaf_getter(index: int) -> Callable[[Sequence[Any]], Any]:
+    """A builder's leaf: the converted value of field ``index``."""
+    return itemgetter(index)
 
 
 def sample_builder(structure: Any) -> Callable[[Sequence[Any]], Any]:
@@ -73,7 +82,9 @@ def sample_builder(structure: Any) -> Callable[[Sequence[Any]], Any]:
         cls = _namedtuple_class(*spec)
         return lambda leaves: cls(*[p(leaves) for p in parts])
 
-    return fold(structure, leaf=itemgetter, sequence=sequence, mapping=mapping, record=record)
+    built: Callable[[Sequence[Any]], Any] = fold(structure, leaf=_leaf_getter, sequence=sequence, mapping=mapping,
+                                                 record=record)
+    return built
 
 
 def batch_builder(structure: Any) -> Callable[[Sequence[Any]], Any]:
@@ -90,8 +101,12 @@ def batch_builder(structure: Any) -> Callable[[Sequence[Any]], Any]:
         cls = _namedtuple_class(*spec)
         return lambda leaves: cls(*[p(leaves) for p in parts])
 
-    return fold(structure, leaf=itemgetter, mapping=mapping, record=record,
-                sequence=lambda kind, parts, children: lambda leaves: [p(leaves) for p in parts])
+    def sequence(kind: str, parts: list[Callable], children: list[Any]) -> Callable:
+        return lambda leaves: [p(leaves) for p in parts]
+
+    built: Callable[[Sequence[Any]], Any] = fold(structure, leaf=_leaf_getter, mapping=mapping, record=record,
+                                                 sequence=sequence)
+    return built
 
 
 def leaf_converter(field: Field) -> Callable[[np.ndarray], Any]:
@@ -213,11 +228,17 @@ def _compile_leaf(field: Field) -> Callable[[Any], Any]:
             return found == shape
         return len(found) == len(shape) and all(s <= m for s, m in zip(found, shape))
 
-    if field.kind in (INT, FLOAT, BOOL):
-        expected = {INT: int, FLOAT: float, BOOL: bool}[field.kind]
+    if field.kind == INT:
+        def check_int(x: Any) -> Any:
+            if type(x) is not int or not _INT64_MIN <= x <= _INT64_MAX:
+                raise _Slow
+            return x
+        return check_int
+    if field.kind in (FLOAT, BOOL):
+        expected = float if field.kind == FLOAT else bool
 
         def check_scalar(x: Any) -> Any:
-            if type(x) is not expected or (expected is int and not -(2**63) <= x < 2**63):
+            if type(x) is not expected:
                 raise _Slow
             return x
         return check_scalar

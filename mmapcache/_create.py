@@ -16,7 +16,7 @@ import re
 import secrets
 import shutil
 import stat
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 

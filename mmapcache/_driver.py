@@ -8,10 +8,11 @@ found by redoing the dead worker's chunks one row at a time, named, and skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-import dataclasses
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,8 @@ class BuildReport:
     def summary(self) -> str:
         rate = self.filled / self.elapsed if self.elapsed > 0 else 0.0
         state = " (interrupted)" if self.interrupted else ""
-        return (f"{self.path}: filled {self.filled}, skipped {self.skipped} (already there), failed {len(self.failed)}, "
+        return (f"{self.path}: filled {self.filled}, skipped {self.skipped} (already there), "
+                f"failed {len(self.failed)}, "
                 f"{self.elapsed:.1f} s, {rate:.1f} samples/s, {format_size(self.bytes)} written{state}")
 
 
@@ -135,7 +137,7 @@ class Driver:
     def _stop(self) -> bool:
         return self.plan.fail_fast and bool(self.report.failed)
 
-    def _round(self, chunks: Sequence[int], wait: bool) -> list[int]:
+    def _round(self, chunks: Sequence[int] | np.ndarray, wait: bool) -> list[int]:
         """Fills the given chunks with the worker processes; returns the chunks found claimed by others.
 
         A worker that dies (a sample that crashes native code, calls ``os._exit``, or draws the OOM killer) takes
@@ -177,8 +179,10 @@ class Driver:
         Results arrive in task order, so the first ``reported`` tasks are done."""
         from torch.utils.data import DataLoader
 
-        loader = DataLoader(Filler(self.plan, tasks, wait), batch_size=None, shuffle=False, num_workers=workers,
-                            collate_fn=_identity, prefetch_factor=_PREFETCH)
+        # Filler is a map-style dataset by protocol (__len__, __getitem__), not by torch's base class.
+        loader: DataLoader[dict[str, Any]] = DataLoader(
+            Filler(self.plan, tasks, wait), batch_size=None, shuffle=False,  # type: ignore[arg-type]
+            num_workers=workers, collate_fn=_identity, prefetch_factor=_PREFETCH)
         reported = 0
         it: Iterator[dict[str, Any]] = iter(loader)
         try:

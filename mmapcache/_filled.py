@@ -17,13 +17,14 @@ system calls around every write are full barriers on the writer side.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
 import os
 import threading
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -246,10 +247,8 @@ class SlotState:
         # Views must go before their maps can close; a map still exported elsewhere stays open until collected.
         del self.filled, self.stale, self.seq, self.filled_np, self.stale_np, self.seq_np
         for m in self._maps:
-            try:
+            with contextlib.suppress(BufferError):
                 m.close()
-            except BufferError:
-                pass
         self._maps = []
 
 

@@ -205,7 +205,7 @@ def _check_meta(meta: dict[str, Any]) -> None:
     leaves = _structure_leaves(meta["structure"])
     if sorted(leaves) != list(range(len(layout.fields))):
         raise ValueError(f"the structure's leaves {sorted(leaves)} do not match the {len(layout.fields)} fields")
-    used = {name: "a state file" for name in (META, FILLED, STALE, SEQ, LOCK, USERS)}
+    used = dict.fromkeys((META, FILLED, STALE, SEQ, LOCK, USERS), "a state file")
     if meta["slot_index"] is not None:
         if meta["slot_index"] != SLOT_INDEX:
             raise ValueError(f"slot_index names {meta['slot_index']!r}, expected {SLOT_INDEX!r}")

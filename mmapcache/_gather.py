@@ -182,7 +182,7 @@ class _Chunks:
             a, b = self.bounds[k], self.bounds[k + 1]
             try:
                 np.take(self.data, self.rows[a:b], axis=0, out=self.out[a:b], mode="clip")
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
+            except BaseException as exc:
                 self.error = exc
             with self.lock:
                 self.done += 1

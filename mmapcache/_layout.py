@@ -16,8 +16,9 @@ This module speaks numpy only; torch is imported lazily, when a torch tensor is 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -35,10 +36,12 @@ MAX_DEPTH = 64
 _RAW_BY_ITEMSIZE = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 _HINTS = {
-    "str": "encode text as a tensor of token ids or bytes (numpy.frombuffer(s.encode(), numpy.uint8)) in the wrapped dataset",
+    "str": "encode text as a tensor of token ids or bytes (numpy.frombuffer(s.encode(), numpy.uint8)) in the "
+           "wrapped dataset",
     "bytes": "convert bytes with numpy.frombuffer(b, numpy.uint8) in the wrapped dataset",
     "NoneType": "return a tensor or a number instead of None (e.g. -1 or a mask field)",
-    "Image": "convert PIL images with torchvision.transforms.PILToTensor() or numpy.asarray(img) in the wrapped dataset",
+    "Image": "convert PIL images with torchvision.transforms.PILToTensor() or numpy.asarray(img) in the wrapped "
+             "dataset",
 }
 
 
@@ -268,7 +271,8 @@ class Layout:
             fields.append(field)
         if max_shapes:
             known = ", ".join(repr(leaf.field.name) for leaf in leaves)
-            raise LayoutError(f"max_shapes names unknown field(s) {sorted(max_shapes)}; the sample's fields are {known}")
+            raise LayoutError(f"max_shapes names unknown field(s) {sorted(max_shapes)}; the sample's fields are "
+                              f"{known}")
         return cls(structure, tuple(fields))
 
     def check(self, sample: Any, index: int) -> list[np.ndarray]:
@@ -293,7 +297,8 @@ class Layout:
             if (found.kind, found.dtype, found.torch_dtype) != (field.kind, field.dtype, field.torch_dtype):
                 raise LayoutError(
                     f"sample {index}, field {field.name!r}: expected {field.kind} of dtype "
-                    f"{field.torch_dtype or field.dtype}, found {found.kind} of dtype {found.torch_dtype or found.dtype}; "
+                    f"{field.torch_dtype or field.dtype}, found {found.kind} of dtype "
+                    f"{found.torch_dtype or found.dtype}; "
                     "make the wrapped dataset return the same types for every index"
                 )
             if field.variable:
@@ -301,7 +306,8 @@ class Layout:
             elif found.shape != field.shape:
                 largest = tuple(max(a, b) for a, b in zip(field.shape, found.shape))
                 hint = (
-                    f"if this field's shape varies, declare its largest shape: max_shapes={{{field.name!r}: {largest}}} "
+                    "if this field's shape varies, declare its largest shape: "
+                    f"max_shapes={{{field.name!r}: {largest}}} "
                     "(the largest seen so far)"
                     if len(found.shape) == len(field.shape)
                     else "every sample must have the same number of dimensions in each field"

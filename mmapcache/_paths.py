@@ -33,7 +33,8 @@ def resolve_path(path: str | os.PathLike[str]) -> str:
         raise TypeError(f"cache path must be a non-empty str or os.PathLike, got {path!r}")
     if "/" not in text:
         if text in (".", ".."):
-            raise ValueError(f"cache name {text!r} is not a name; pass a directory path or a plain name like 'imagenet-224'")
+            raise ValueError(f"cache name {text!r} is not a name; pass a directory path or a plain name like "
+                             "'imagenet-224'")
         text = os.path.join(cache_root(), text)
     name = os.path.basename(os.path.normpath(text))
     if len(os.fsencode(name)) > _NAME_MAX:

@@ -8,13 +8,14 @@ and the rebuild of the sample's containers.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from . import _gather
-from ._gather import take
 from ._codec import batch_builder, batch_converter, compile_checker, leaf_converter, sample_builder
+from ._gather import take
 from ._layout import BOOL, FLOAT, INT, NDARRAY, NPSCALAR, TENSOR, Field
 from ._store import Store
 
@@ -129,7 +130,8 @@ class RowReader:
 
     # --- batches -----------------------------------------------------------------------------------------------
 
-    def gather(self, rows: np.ndarray, alloc: Callable[..., np.ndarray] = np.empty) -> tuple[list[np.ndarray], list[int]]:
+    def gather(self, rows: np.ndarray,
+               alloc: Callable[..., np.ndarray] = np.empty) -> tuple[list[np.ndarray], list[int]]:
         """Copies the given rows (fixed-shape fields only) into fresh per-field batch arrays, in order.
 
         ``alloc`` makes each array; for ``numpy.empty`` (the default) an earlier batch's array that nothing
@@ -225,7 +227,7 @@ def _value_converter(field: Field) -> Callable[[Any], Any]:
 
 def _pwrite_all(fd: int, value: np.ndarray, offset: int) -> None:
     # Flattened first: memoryview refuses to cast a multi-dimensional view with a zero in its shape (0x3 field).
-    view = memoryview(value.reshape(-1)).cast("B")
+    view = value.reshape(-1).data.cast("B")
     while view:
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written

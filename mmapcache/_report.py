@@ -5,16 +5,17 @@ Numpy only (``_store``, ``_format``, ``_filled``, ``_layout``): inspecting a cac
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
 import numpy as np
 
 from . import _format as fmt
-from ._sizes import format_size
 from ._admin import users_of
 from ._create import free_bytes
 from ._paths import cache_root, resolve_path
+from ._sizes import format_size
 from ._store import Store
 from .errors import MmapCacheError
 
@@ -47,7 +48,7 @@ def fill_map(filled_per_index: np.ndarray, cells: int = _CELLS) -> str:
     cells = min(cells, n)
     edges = np.linspace(0, n, cells + 1).astype(np.int64)
     out = []
-    for a, b in zip(edges[:-1], edges[1:]):
+    for a, b in itertools.pairwise(edges):
         part = filled_per_index[a:b]
         part = part[~np.isnan(part)]
         if len(part) == 0:

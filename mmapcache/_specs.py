@@ -11,7 +11,8 @@ import importlib.util
 import json
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .errors import SpecError
 
@@ -102,12 +103,14 @@ def _import_file(path: str, spec: str) -> Any:
 def check_map_style(dataset: Any, spec: str) -> Any:
     """Returns ``dataset`` if it is a non-empty map-style dataset, else raises ``SpecError`` saying why."""
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise SpecError(f"{spec} returned {type(dataset).__name__!r} object, not a map-style dataset (one with __len__ and "
+        raise SpecError(f"{spec} returned {type(dataset).__name__!r} object, not a map-style dataset (one with "
+                        "__len__ and "
                         "__getitem__); iterable datasets cannot be cached: return a map-style dataset")
     try:
         n = len(dataset)
     except Exception as exc:
-        raise SpecError(f"len() of the dataset from {spec} raised {type(exc).__name__}: {exc}; fix its __len__") from exc
+        raise SpecError(f"len() of the dataset from {spec} raised {type(exc).__name__}: {exc}; fix its "
+                        "__len__") from exc
     if n == 0:
         raise SpecError(f"the dataset from {spec} is empty; there is nothing to cache (check its arguments)")
     return dataset

@@ -118,7 +118,8 @@ def _check_state(store: Store, result: VerifyResult) -> None:
         bad = (stored < 0).any(axis=1) | (stored > np.asarray(field.shape, dtype=np.int64)).any(axis=1)
         if bad.any():
             row = int(np.flatnonzero(complete)[np.argmax(bad)])
-            result.problems.append(f"{store.path}/{spec['shape_file']}: row {row} holds shape {tuple(shapes[row].tolist())}, "
+            result.problems.append(f"{store.path}/{spec['shape_file']}: row {row} holds shape "
+                                   f"{tuple(shapes[row].tolist())}, "
                                    f"outside the maximum {field.shape} of field {field.name!r}: the file is damaged")
 
 

@@ -15,7 +15,8 @@ import signal
 import sys
 import textwrap
 import traceback
-from typing import Any, Callable, NoReturn, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from . import MmapCacheError, UsageError, __version__
 
@@ -169,7 +170,8 @@ def _parser() -> _Parser:
     p.add_argument("--variants", type=_positive_int, metavar="K",
                    help="on creation, store K versions of each sample (the source is called K times)")
     p.add_argument("--max-shapes", metavar="JSON",
-                   help="on creation, {field path: max shape} for fields whose shape varies, e.g. '{\"0\": [3, 512, 512]}'")
+                   help="on creation, {field path: max shape} for fields whose shape varies, "
+                        "e.g. '{\"0\": [3, 512, 512]}'")
     p.add_argument("--refresh", type=_fraction, metavar="FRACTION",
                    help="first mark this fraction of filled rows stale, then refill them")
     p.add_argument("--seed", type=int, metavar="N",
@@ -237,9 +239,10 @@ def _cmd_build(args: argparse.Namespace) -> int:
     from . import build
 
     kwargs = parse_kwargs(args.kwargs)
-    with _sigterm_as_interrupt():
+    with _SigtermAsInterrupt():
         report = build(
-            args.path, args.dataset, kwargs=kwargs, workers=args.workers, shard=args.shard or "auto", indices=args.indices,
+            args.path, args.dataset, kwargs=kwargs, workers=args.workers, shard=args.shard or "auto",
+            indices=args.indices,
             fingerprint=args.fingerprint, max_bytes=args.max_bytes, variants=args.variants,
             max_shapes=_max_shapes(args.max_shapes), refresh=args.refresh,
             follow=args.follow, fail_fast=args.fail_fast, seed=args.seed, progress=True,
@@ -278,7 +281,7 @@ def _max_shapes(text: str | None) -> dict[str, list[int]] | None:
     return value
 
 
-class _sigterm_as_interrupt:
+class _SigtermAsInterrupt:
     """SIGTERM raises KeyboardInterrupt in this process while active, so a build stops like on Ctrl-C."""
 
     def __enter__(self) -> None:

@@ -19,9 +19,9 @@ from torch.utils.data import Dataset
 from ._create import parent_lock
 from ._open import Request, Source, identity, open_cache
 from ._options import STALE_MODES, CreateOptions, check_bool, check_choice, check_optional_str, source_length
+from ._paths import resolve_path
 from ._reader import RowReader
 from ._rows import VARIANT_CHOICES, RowMap, check_index, check_indices
-from ._paths import resolve_path
 from ._store import Store
 from .errors import CacheReadOnlyWarning, SampleNotCachedError
 

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from helpers.sources import ImageLabels
 from mmapcache import MmapCachedDataset, build
 from mmapcache._sizes import parse_size
-from helpers.sources import ImageLabels
 
 GIB = 1024**3
 
@@ -24,8 +24,9 @@ GIB = 1024**3
 
 @pytest.mark.parametrize("shape", [16, np.int64(16)], ids=["int", "numpy-int"])
 def test_max_shape_given_as_an_int_says_how_to_write_it(cache_path: str, shape: Any) -> None:
-    with pytest.raises(ValueError, match=r"max_shapes\['0'\] must be a tuple of non-negative ints, got (np\.int64\()?16\)? .*"
-                                         r"for a 1-D field write max_shapes=\{'0': \(16,\)\}"):
+    message = (r"max_shapes\['0'\] must be a tuple of non-negative ints, got (np\.int64\()?16\)? .*"
+               r"for a 1-D field write max_shapes=\{'0': \(16,\)\}")
+    with pytest.raises(ValueError, match=message):
         MmapCachedDataset(cache_path, ImageLabels(4), max_shapes={"0": shape})
     assert not os.path.exists(cache_path)
 

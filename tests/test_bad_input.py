@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from mmapcache import CacheFormatError, LayoutError, MmapCacheError, MmapCachedDataset
 from helpers.sources import ImageLabels
+from mmapcache import CacheFormatError, LayoutError, MmapCachedDataset, MmapCacheError
 
 
 @pytest.fixture
@@ -32,7 +33,8 @@ def untouched(shm_dir: str) -> Iterator[Callable[..., None]]:
 
 @pytest.mark.parametrize("path", [5, None, b"/dev/shm/x", "", 3.5, ["a"]])
 def test_path_of_a_wrong_type(untouched: Any, path: Any) -> None:
-    untouched(TypeError, r"cache path must be a non-empty str or os\.PathLike, got", lambda: MmapCachedDataset(path, ImageLabels(4)))
+    untouched(TypeError, r"cache path must be a non-empty str or os\.PathLike, got",
+              lambda: MmapCachedDataset(path, ImageLabels(4)))
 
 
 @pytest.mark.parametrize("name", [".", ".."])

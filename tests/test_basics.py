@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from mmapcache import MmapCachedDataset, SampleNotCachedError
 from helpers.sources import Counting, ImageLabels, sample_equal
+from mmapcache import MmapCachedDataset, SampleNotCachedError
 
 
 def test_miss_then_hit_does_not_call_source_again(cache_path: str, tmp_path) -> None:

@@ -13,12 +13,11 @@ from collections import Counter
 import pytest
 import torch
 
-from mmapcache import MmapCachedDataset
-from mmapcache import build
-from mmapcache._fill import chunk_rows
-from mmapcache.cli import main
 from helpers.processes import kill_alive
 from helpers.sources import ImageLabels, sample_equal
+from mmapcache import MmapCachedDataset, build
+from mmapcache._fill import chunk_rows
+from mmapcache.cli import main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = os.path.join(HERE, "helpers", "cli_sources.py")
@@ -110,7 +109,7 @@ def test_concurrent_builds_share_the_work(cache_path: str, tmp_path) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
-    for p, (stdout, stderr) in zip(procs, outs):
+    for p, (_stdout, stderr) in zip(procs, outs):
         assert p.returncode == 0, stderr
     filled = [int(stdout.strip().splitlines()[-1].split("filled ")[1].split(",")[0]) for stdout, _ in outs]
     assert all(f > 0 for f in filled), filled  # both really worked
@@ -271,7 +270,7 @@ def test_rm_refuses_a_running_build_and_force_stops_it_with_one_line(cache_path:
         forced = subprocess.run([sys.executable, "-m", "mmapcache", "rm", "--force", cache_path], env=ENV, text=True,
                                 capture_output=True, timeout=60)
         assert forced.returncode == 0, forced.stderr
-        out, err = proc.communicate(timeout=90)
+        _out, err = proc.communicate(timeout=90)
     finally:
         kill_alive([proc])
     assert proc.returncode == 2, err

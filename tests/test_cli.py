@@ -11,11 +11,11 @@ import sys
 import numpy as np
 import pytest
 
-from mmapcache import MmapCachedDataset
 import mmapcache
+from helpers.sources import ImageLabels
+from mmapcache import MmapCachedDataset
 from mmapcache._create import make_scratch
 from mmapcache.cli import main
-from helpers.sources import ImageLabels
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = os.path.join(HERE, "helpers", "cli_sources.py")
@@ -59,7 +59,7 @@ def test_inspect_text_and_fill_map_of_a_partial_cache(cache_path: str, capsys: p
     assert code == 0
     assert "cacheable:   100 of 200 (50.0%)" in out
     assert "filled:      50 of 100 rows (50.0%)" in out
-    fill_line = [line for line in out.splitlines() if line.startswith("fill map:")][0]
+    fill_line = next(line for line in out.splitlines() if line.startswith("fill map:"))
     cells = fill_line.split("|")[1]
     assert len(cells) == 64 and cells[:16] == "@" * 16 and cells[-30:] == "_" * 30 and " " in cells
 
@@ -123,7 +123,7 @@ def test_rm_refuses_a_cache_in_use_and_force_removes_it(cache_path: str, capsys:
         code, _, err = run("rm", cache_path, capsys=capsys)
         assert code == 2 and str(holder.pid) in err and "--force" in err
         assert os.path.isdir(cache_path)
-        code, out, err = run("rm", cache_path, "--force", capsys=capsys)
+        code, _out, err = run("rm", cache_path, "--force", capsys=capsys)
         assert code == 0, err
         assert not os.path.exists(cache_path)
     finally:
@@ -256,7 +256,7 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, shm_dir
             arg = arg.replace("{" + key + "}", value)
         return arg
 
-    code, out, err = run(*map(fill_in, argv), capsys=capsys)
+    code, _out, err = run(*map(fill_in, argv), capsys=capsys)
     assert code == 2
     assert len(err.splitlines()) == 1 and err.startswith("mmapcache: error:"), err
     assert message in err and "Traceback" not in err
@@ -294,7 +294,7 @@ def test_variable_shapes_build_inspect_and_verify(cache_path: str, capsys: pytes
 def test_ls_shows_the_cacheable_share_of_a_partial_cache(shm_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     """A full max_bytes cache that holds a quarter of the samples must not read as a bare "100.0%"."""
     make_cache(os.path.join(shm_dir, "part"), n=40, cache_indices=list(range(10)))
-    code, out, _ = run("ls", capsys=capsys)
+    _code, out, _ = run("ls", capsys=capsys)
     header, line = out.strip().splitlines()
     assert header.split()[:4] == ["NAME", "LENGTH", "CACHEABLE", "FILLED"]
     assert line.split()[:4] == ["part", "40", "25.0%", "100.0%"]

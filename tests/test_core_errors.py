@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 import mmapcache
-from mmapcache import errors
 from helpers.sources import ImageLabels
+from mmapcache import errors
 
 BUILTINS = {
     "CacheNotFoundError": FileNotFoundError,

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 import mmapcache
-from mmapcache import MmapCachedDataset
 from helpers.sources import sample_equal
+from mmapcache import MmapCachedDataset
 
 N = 10
 FILLED = [0, 1, 2, 4, 5, 6, 9]
@@ -120,7 +120,8 @@ def test_meta_json_matches_the_raw_bytes(cache_path: str) -> None:
     }
     for name, (kind, dtype, torch_dtype, shape) in expected.items():
         field = fields[name]
-        assert (field["kind"], field["dtype"], field["torch_dtype"], field["shape"]) == (kind, dtype, torch_dtype, shape)
+        found = (field["kind"], field["dtype"], field["torch_dtype"], field["shape"])
+        assert found == (kind, dtype, torch_dtype, shape)
         assert field["variable"] is False and field["shape_file"] is None and field["file"] == f"{name}.npy"
         raw = _bytes(os.path.join(cache_path, field["file"]))
         assert raw[:8] == b"\x93NUMPY\x01\x00"  # .npy format 1.0, as the format document says
@@ -129,7 +130,7 @@ def test_meta_json_matches_the_raw_bytes(cache_path: str) -> None:
         offset = 10 + header_len
         assert offset % 64 == 0
         assert f"'descr': '{dtype}'" in header and "'fortran_order': False" in header
-        assert f"'shape': {tuple([N, *shape])}" in header
+        assert f"'shape': {(N, *shape)}" in header
         itemsize = np.dtype(dtype).itemsize
         assert len(raw) == offset + N * itemsize * math.prod(shape)
     label_raw = _bytes(os.path.join(cache_path, "label.npy"))

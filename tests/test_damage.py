@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from helpers import fault_workers as fw
-from mmapcache import CacheFormatError, MmapCachedDataset, SampleNotCachedError
 from helpers.sources import ImageLabels, sample_equal
+from mmapcache import CacheFormatError, MmapCachedDataset, SampleNotCachedError
 
 N = 13  # not a multiple of 8: the bitmaps have spare bits past the last row
 

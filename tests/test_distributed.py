@@ -16,10 +16,10 @@ import sys
 import numpy as np
 import pytest
 
-from mmapcache import MmapCachedDataset
-from mmapcache.distributed import local_rank_and_size, prefill
 from helpers.processes import join_all, running
 from helpers.sources import Counting, ImageLabels
+from mmapcache import MmapCachedDataset
+from mmapcache.distributed import local_rank_and_size, prefill
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 90.0
@@ -103,7 +103,8 @@ def test_two_nodes_each_build_their_own_cache(shm_dir: str, tmp_path) -> None:
     for node_rank in (0, 1):
         procs.append(torchrun(
             ["--nnodes=2", f"--node-rank={node_rank}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-             f"--master-port={port}", os.path.join(TESTS, "helpers", "dist_script.py"), "--results", str(out), "--cache-name", "cache",
+             f"--master-port={port}", os.path.join(TESTS, "helpers", "dist_script.py"), "--results", str(out),
+             "--cache-name", "cache",
              "--calls", str(tmp_path / f"calls{node_rank}"), "--samples", str(N)],
             {"MMAPCACHE_DIR": os.path.join(shm_dir, f"node{node_rank}")},
         ))

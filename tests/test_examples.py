@@ -12,9 +12,8 @@ import sys
 
 import pytest
 
-from mmapcache import MmapCachedDataset
-from mmapcache import _format
 from helpers.sources import sample_equal
+from mmapcache import MmapCachedDataset, _format
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -69,7 +68,7 @@ def test_image_folder_cold_then_warm(shm_dir: str, tmp_path) -> None:
 
 def test_image_folder_source_errors_and_fingerprint(tmp_path) -> None:
     example = load_example("image_folder")
-    with pytest.raises(FileNotFoundError, match="no .jpg/.jpeg files under"):
+    with pytest.raises(FileNotFoundError, match=r"no \.jpg/\.jpeg files under"):
         example.JpegFolder(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         example.JpegFolder(str(tmp_path / "missing"))
@@ -104,7 +103,8 @@ def test_ddp_example_under_torchrun(shm_dir: str) -> None:
 
 
 def test_prewarm_script(shm_dir: str, tmp_path) -> None:
-    if shutil.which("mmapcache", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")) is None:
+    search = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    if shutil.which("mmapcache", path=search) is None:
         pytest.skip("the `mmapcache` command is not installed (pip install -e .)")
     cache = os.path.join(shm_dir, "prewarmed")
     out = run(["bash", os.path.join(EXAMPLES, "prewarm.sh"), "1"],

@@ -13,7 +13,8 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,10 +23,9 @@ from torch.utils.data import DataLoader
 
 from helpers import fault_workers as fw
 from helpers.processes import join_all, kill_alive
-from mmapcache import CacheReadOnlyError, CacheReadOnlyWarning, LayoutError, MmapCachedDataset
-from mmapcache import _admin, _create, _store
-from mmapcache._layout import Layout
 from helpers.sources import ImageLabels, image_of, sample_equal
+from mmapcache import CacheReadOnlyError, CacheReadOnlyWarning, LayoutError, MmapCachedDataset, _admin, _create, _store
+from mmapcache._layout import Layout
 
 FORK = multiprocessing.get_context("fork")
 
@@ -244,10 +244,9 @@ def test_space_taken_by_others_after_creation_causes_no_sigbus(small_tmpfs: Any)
     mount = small_tmpfs(_planned_bytes(n, shape) + (256 << 10))
     path = os.path.join(mount, "cache")
     MmapCachedDataset(path, ImageLabels(n, shape)).close()
-    with open(os.path.join(mount, "hog"), "wb", buffering=0) as f:
-        with pytest.raises(OSError, match="No space left"):
-            for _ in range(1024):
-                f.write(b"\xff" * 4096)
+    with open(os.path.join(mount, "hog"), "wb", buffering=0) as f, pytest.raises(OSError, match="No space left"):
+        for _ in range(1024):
+            f.write(b"\xff" * 4096)
     assert _create.free_bytes(mount) < 4096
     result = _create_in_child(path, shape, n, fill=True)
     assert result == {"ok": True, "cached": n}
@@ -288,16 +287,16 @@ def test_readers_survive_removal_while_in_use(cache_path: str, tmp_path: Any) ->
     writer_ready = FORK.Event()
     writer = FORK.Process(target=fw.write_through_removal,
                           args=(half.path, n, shape, writer_ready, go, str(tmp_path / "w")))
-    for p in readers + [writer]:
+    for p in [*readers, writer]:
         p.start()
     try:
-        assert all(e.wait(60) for e in readies + [writer_ready])
+        assert all(e.wait(60) for e in [*readies, writer_ready])
         _remove_cache(cache_path)
         _remove_cache(half.path)
     finally:
         go.set()
-        join_all(readers + [writer], 60)
-    assert _exit_report(readers + [writer]) == [0, 0, 0], "a process died (-7 is SIGBUS)"
+        join_all([*readers, writer], 60)
+    assert _exit_report([*readers, writer]) == [0, 0, 0], "a process died (-7 is SIGBUS)"
     for k in range(2):
         result = fw.read_result(str(tmp_path / f"r{k}"))
         assert result == {"bad_before": [], "bad_after": [], "bad_batch": []}, result

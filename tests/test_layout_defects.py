@@ -10,18 +10,19 @@ import enum
 import json
 import os
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from helpers.sources import sample_equal
 from mmapcache import CacheFormatError, LayoutError, MmapCachedDataset
 from mmapcache._layout import MAX_DEPTH, Layout, describe_structure, fold
 from mmapcache._reader import RowReader
 from mmapcache._store import Store
-from helpers.sources import sample_equal
 
 
 class Samples(Dataset):
@@ -101,7 +102,8 @@ def test_a_later_sample_nested_too_deep_names_its_index(cache_path: str) -> None
     # The compiled checker meets a list where a leaf was; the slow path must refuse, not overflow the stack.
     with MmapCachedDataset(cache_path, Samples(lambda i: (1, _nest(2000, 1) if i == 3 else 2))) as ds:
         ds[0]
-        with pytest.raises(LayoutError, match=rf"sample 3: field '1\.0\.0[.0]*': containers nested deeper than {MAX_DEPTH}"):
+        deeper = rf"sample 3: field '1\.0\.0[.0]*': containers nested deeper than {MAX_DEPTH}"
+        with pytest.raises(LayoutError, match=deeper):
             ds[3]
 
 

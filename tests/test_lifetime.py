@@ -12,15 +12,14 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from torch.utils.data import DataLoader
 
-from mmapcache import CacheNotFoundError, MmapCachedDataset
-from mmapcache import _admin, _create, _format, _store
 from helpers.processes import join_all, running
 from helpers.sources import ImageLabels, sample_equal
+from mmapcache import CacheNotFoundError, MmapCachedDataset, _admin, _create, _format, _store
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 60.0

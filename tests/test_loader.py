@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import DataLoader, SubsetRandomSampler
 
 from helpers.loader_sources import Mixed
-from mmapcache import MmapCachedDataset
 from helpers.sources import sample_equal
+from mmapcache import MmapCachedDataset
 
 
 def _both(ds: MmapCachedDataset, **kwargs: Any) -> tuple[list[Any], list[Any]]:
@@ -151,7 +151,7 @@ def test_held_batches_are_never_overwritten_by_recycled_buffers(cache_path: str)
     with MmapCachedDataset(cache_path, Mixed(64, "pair", shape=(3, 32, 32))) as ds:
         ds.fill()
         expected = list(DataLoader(ds, batch_size=8))
-        kept = [batch for batch in ds.loader(batch_size=8)]  # every batch held: none may be reused
+        kept = list(ds.loader(batch_size=8))  # every batch held: none may be reused
         _assert_same(kept, expected)
         views = []
         for k, batch in enumerate(ds.loader(batch_size=8)):  # hold only a view of one sample of each batch

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmapcache import CacheMismatchError, CacheNotFoundError, MmapCachedDataset, SampleNotCachedError
 from helpers.sources import Counting, ImageLabels, sample_equal
+from mmapcache import CacheMismatchError, CacheNotFoundError, MmapCachedDataset, SampleNotCachedError
 
 
 def _fill(path: str, source: Any, **kwargs: Any) -> None:

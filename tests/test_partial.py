@@ -7,16 +7,16 @@ import json
 import os
 import re
 import subprocess
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from mmapcache import CacheMismatchError, InsufficientSpaceError, MmapCachedDataset, SampleNotCachedError
-from mmapcache import _create
 from helpers.sources import Counting, ImageLabels, sample_equal
+from mmapcache import CacheMismatchError, InsufficientSpaceError, MmapCachedDataset, SampleNotCachedError, _create
 
 N = 40
 SHAPE = (3, 16, 16)

@@ -15,10 +15,18 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from helpers.core_workers import Big, Small, big_filler, concurrent_filler, interleaved_filler, read_all_by_path, slow_filler
+from helpers.core_workers import (
+    Big,
+    Small,
+    big_filler,
+    concurrent_filler,
+    interleaved_filler,
+    read_all_by_path,
+    slow_filler,
+)
 from helpers.processes import collect, join_all, kill_alive, running
-from mmapcache import MmapCachedDataset, SampleNotCachedError
 from helpers.sources import ImageLabels, sample_equal
+from mmapcache import MmapCachedDataset, SampleNotCachedError
 
 START_METHODS = ["fork", "spawn", "forkserver"]
 
@@ -116,7 +124,8 @@ def test_concurrent_fillers_store_every_sample_intact(cache_path: str) -> None:
     source = ImageLabels(n, shape=(64, 1024))  # 64 KiB rows: a torn copy would be visible
     ctx = multiprocessing.get_context("fork")  # fork starts in milliseconds, so the fillers really overlap
     barrier, q = ctx.Barrier(workers), ctx.Queue()
-    procs = [ctx.Process(target=concurrent_filler, args=(cache_path, n, seed, barrier, q, 2)) for seed in range(workers)]
+    procs = [ctx.Process(target=concurrent_filler, args=(cache_path, n, seed, barrier, q, 2))
+             for seed in range(workers)]
     reports = _run_all(procs, q)
     assert all(r[0] == "ok" for r in reports), reports
     assert all(r[2] == [] for r in reports), f"torn or wrong samples seen by fillers: {reports}"
@@ -242,7 +251,8 @@ def test_fillers_of_interleaved_indices_lose_no_filled_bit(cache_path: str) -> N
     MmapCachedDataset(cache_path, Small(n)).close()
     ctx = multiprocessing.get_context("fork")
     barrier, q = ctx.Barrier(workers), ctx.Queue()
-    procs = [ctx.Process(target=interleaved_filler, args=(cache_path, n, k, workers, barrier, q)) for k in range(workers)]
+    procs = [ctx.Process(target=interleaved_filler, args=(cache_path, n, k, workers, barrier, q))
+             for k in range(workers)]
     reports = _run_all(procs, q)
     assert all(r[0] == "ok" for r in reports), reports
     bits = np.unpackbits(np.fromfile(os.path.join(cache_path, "filled.bits"), np.uint8), bitorder="little")

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from helpers.processes import join_all
 from helpers.feature_workers import (
     RandomAugment,
     Versioned,
@@ -25,8 +24,9 @@ from helpers.feature_workers import (
     versioned_sample,
     wait_for,
 )
-from mmapcache import MmapCachedDataset, SampleNotCachedError
+from helpers.processes import join_all
 from helpers.sources import sample_equal
+from mmapcache import MmapCachedDataset, SampleNotCachedError
 
 SHAPE = (3, 64, 64)
 
@@ -177,7 +177,8 @@ def test_writer_killed_mid_rewrite_is_recovered(cache_path: str, tmp_path: Any) 
         assert victim.exitcode == -signal.SIGKILL
         assert int(ds._store.state.seq_np[row]) % 2 == 1  # the dead writer's odd counter stays
         assert not ds.is_cached(2)
-        recovering = MmapCachedDataset(cache_path, Versioned(n, shape, base=9_000_000, log=log), stale="serve", deterministic=False)
+        recovering = MmapCachedDataset(cache_path, Versioned(n, shape, base=9_000_000, log=log), stale="serve",
+                                       deterministic=False)
         sample = recovering[2]  # a miss: recomputed and stored (the lock was released by the kernel)
         assert check_versioned(sample, 2) and sample[2] > 9_000_000 and read_calls(log).count(2) == 1
         assert int(ds._store.state.seq_np[row]) % 2 == 0 and ds.is_cached(2)
@@ -233,7 +234,8 @@ def test_fill_without_a_source_says_it_needs_one(cache_path: str) -> None:
         ds.fill(range(3))
     with MmapCachedDataset(cache_path) as ds:
         assert ds.fill(range(3)) == 0  # nothing to do: no source needed
-        with pytest.raises(SampleNotCachedError, match=r"fill\(\) needs the source dataset: 3 sample\(s\) .* \(first: 3\)"):
+        needs = r"fill\(\) needs the source dataset: 3 sample\(s\) .* \(first: 3\)"
+        with pytest.raises(SampleNotCachedError, match=needs):
             ds.fill()
         ds.refresh(indices=[1])
         with pytest.raises(SampleNotCachedError, match=r"\(first: 1\)"):

@@ -139,11 +139,11 @@ def test_removed_cache_is_recreated_by_spawned_workers(cache_path: str) -> None:
     ds = MmapCachedDataset(cache_path, source)
     ds.fill()
     loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="spawn", persistent_workers=False)
-    first = [b for b in loader]
+    first = list(loader)
     _force_remove(cache_path)  # `mmapcache rm --force` while the dataset uses it
     # Every process that has the source keeps serving correct samples: the main process from its mapping, a
     # spawned worker (which opens the path anew) from a cache it creates again.
-    second = [b for b in loader]
+    second = list(loader)
     assert all(sample_equal(x, y) for x, y in zip(first, second))
     assert sample_equal(ds[7], source[7])
     assert os.path.isdir(cache_path)  # re-created by the worker

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from helpers.core_workers import NUMPY_DTYPES, TORCH_DTYPES, AllLeaves, ChangesLayout, OddViews, Point, exact, resolved
-from mmapcache import LayoutError, MmapCachedDataset
 from helpers.sources import Counting, ImageLabels, sample_equal
+from mmapcache import LayoutError, MmapCachedDataset
 
 Sample = collections.namedtuple("Sample", ["image", "target"])  # module level: importable, so hits rebuild it
 

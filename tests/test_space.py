@@ -7,12 +7,13 @@ import os
 import re
 import subprocess
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from mmapcache import InsufficientSpaceError, MmapCacheError, MmapCachedDataset
 from helpers.sources import ImageLabels, sample_equal
+from mmapcache import InsufficientSpaceError, MmapCachedDataset, MmapCacheError
 
 MIB = 1024 * 1024
 

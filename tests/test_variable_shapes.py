@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from helpers.feature_workers import list_collate, pad_collate
-from mmapcache import CacheMismatchError, LayoutError, MmapCachedDataset
 from helpers.sources import Counting, sample_equal
+from mmapcache import CacheMismatchError, LayoutError, MmapCachedDataset
 
 
 class Images(Dataset):

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers.feature_workers import RandomAugment, read_calls
-from mmapcache import CacheMismatchError, MmapCachedDataset
 from helpers.sources import sample_equal
+from mmapcache import CacheMismatchError, MmapCachedDataset
 
 N, K = 12, 3
 
@@ -158,8 +158,8 @@ def test_persistent_workers_see_set_epoch_in_every_configuration(cache_path: str
         for epoch in range(1, K):
             ds.set_epoch(epoch)
             ds.fill()
-        kwargs: dict[str, Any] = dict(batch_size=4, num_workers=1, persistent_workers=True,
-                                      multiprocessing_context=start, timeout=120)
+        kwargs: dict[str, Any] = {"batch_size": 4, "num_workers": 1, "persistent_workers": True,
+                                      "multiprocessing_context": start, "timeout": 120}
         if how == "plain":
             loader = DataLoader(ds, **kwargs)
         elif how == "loader-collate":

@@ -15,28 +15,31 @@ Groups: raw, baselines, stocaching, mmapcache, per_sample, cold, memory, build, 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import itertools
 import json
-import re
 import multiprocessing as mp
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import time
 import uuid
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TOOLS)
 sys.path.insert(0, TOOLS)  # bench_sources, importable here and (through sys.path) in spawned processes
 
+import bench_sources as src  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-import bench_sources as src  # noqa: E402
 from mmapcache import MmapCachedDataset  # noqa: E402
 from mmapcache._layout import Layout  # noqa: E402
 
@@ -112,7 +115,7 @@ class Bench:
         """Best warm-epoch rate of a shuffled DataLoader; workers persist, so only the first epoch starts them."""
         loader = make(batch_size=self.batch, shuffle=True, num_workers=workers, persistent_workers=workers > 0)
         epochs = self.epochs + (1 if workers else 0)  # one more when the first epoch pays for starting workers
-        rate = self.best_rate(lambda: loader, self.n, epochs)
+        rate = self.best_rate(itertools.repeat(loader).__next__, self.n, epochs)  # no closure: `del` frees it
         del loader
         return rate
 
@@ -147,7 +150,7 @@ class Bench:
         td = TensorDataset(images, labels)
         for workers in (0, 2):
             self.row(f"TensorDataset + default collate, nw={workers}", "baselines",
-                     self.loader_rate(lambda **kw: DataLoader(td, **kw), workers), "samples/s",
+                     self.loader_rate(functools.partial(DataLoader, td), workers), "samples/s",
                      "a private in-memory copy per process")
         del td, images, labels
 
@@ -264,7 +267,7 @@ class Bench:
                 p.join(60)
                 if p.is_alive():
                     p.kill()
-        for mode, (path, size) in modes.items():
+        for mode, (_path, size) in modes.items():
             growth = sum(after[p.pid] - before[p.pid] for m, p in procs if m == mode) * 1024
             label = "mmapcache (4 processes reading the whole cache)" if mode == "cache" else \
                 "private copies (4 processes each loading the array, as TensorDataset)"
@@ -394,7 +397,8 @@ class Bench:
             ("ds.loader() nw=0 vs raw sorted gather", v("mmapcache ds.loader(), nw=0"),
              v("raw: sorted np.take gather, preallocated buffer"), ">=", 0.8),
             ("DataLoader(ds) via __getitems__ nw=0 vs TensorDataset + default collate nw=0",
-             v("mmapcache DataLoader(ds) via __getitems__, nw=0"), v("TensorDataset + default collate, nw=0"), ">=", 1.3),
+             v("mmapcache DataLoader(ds) via __getitems__, nw=0"), v("TensorDataset + default collate, nw=0"),
+             ">=", 1.3),
             ("ds[i] vs bare copy out of the memmap", v("mmapcache ds[i]"),
              v("bare copy: (from_numpy(images[i].copy()), int(labels[i]))"), ">=", 0.5),
             ("cold first epoch time vs bare source time", v("cold: bare source (1 ms/sample), one epoch"),
@@ -551,7 +555,8 @@ def _shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--shape must be comma-separated integers like 3,64,64, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--shape must be comma-separated integers like 3,64,64, "
+                                         f"got {text!r}") from None
     if not shape or min(shape) < 1:
         raise argparse.ArgumentTypeError(f"--shape must be positive integers, got {text!r}")
     return shape

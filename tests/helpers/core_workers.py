@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from mmapcache import MmapCachedDataset
 from helpers.sources import ImageLabels, sample_equal
+from mmapcache import MmapCachedDataset
 
 Point = collections.namedtuple("Point", ["x", "y"])
 
@@ -169,7 +169,7 @@ def read_all_by_path(path: str, n: int, queue: Any) -> None:
             bad = [i for i in range(n) if not sample_equal(ds[i], source[i])]
             types = [type(ds[0]).__name__, type(ds[0][0]).__name__, str(ds[0][0].dtype), type(ds[0][1]).__name__]
             queue.put(("ok", bad, types, len(ds), ds.num_cached))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test, which fails with it
+    except BaseException as exc:
         queue.put(("error", repr(exc)))
 
 
@@ -203,7 +203,7 @@ def concurrent_filler(path: str, n: int, seed: int, barrier: Any, queue: Any, ro
                     bad.append(i)
         ds.close()
         queue.put(("ok", seed, bad))
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         queue.put(("error", seed, repr(exc)))
 
 
@@ -246,5 +246,5 @@ def interleaved_filler(path: str, n: int, k: int, workers: int, barrier: Any, qu
             ds[i]
         ds.close()
         queue.put(("ok", k))
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         queue.put(("error", k, repr(exc)))

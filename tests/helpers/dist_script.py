@@ -14,9 +14,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from helpers.sources import Counting, ImageLabels, sample_equal
 from mmapcache import MmapCachedDataset
 from mmapcache.distributed import local_rank_and_size
-from helpers.sources import Counting, ImageLabels, sample_equal
 
 
 def main() -> None:
@@ -31,7 +31,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     source = ImageLabels(args.samples, delay=args.delay)
-    ds = MmapCachedDataset(args.cache_name, Counting(source, args.calls), fingerprint="dist-test", delete_on_close=False)
+    ds = MmapCachedDataset(args.cache_name, Counting(source, args.calls), fingerprint="dist-test",
+                           delete_on_close=False)
     local_rank, local_world = local_rank_and_size(ds.path)
     stored = ds.prefill()  # barrier: torch.distributed.barrier(), so every rank of the job is done here
     cached_after_prefill = ds.num_cached

@@ -6,6 +6,7 @@ themselves, so a wrong byte seen by any process reaches the test as a failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -17,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from mmapcache import CacheReadOnlyWarning, MmapCachedDataset, SampleNotCachedError
 from helpers.sources import ImageLabels, image_of, sample_equal
+from mmapcache import CacheReadOnlyWarning, MmapCachedDataset, SampleNotCachedError
 
 
 def write_result(path: str, result: dict[str, Any]) -> None:
@@ -243,10 +244,8 @@ def hog_space(path: str, size: int, stop: Any, deadline_s: float) -> None:
     end = time.monotonic() + deadline_s
     while not stop.is_set() and time.monotonic() < end:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
+        with contextlib.suppress(OSError):  # the room is taken by a cache right now
             os.posix_fallocate(fd, 0, size)
-        except OSError:
-            pass  # the room is taken by a cache right now
         time.sleep(0.002)
         os.close(fd)
         os.unlink(path)

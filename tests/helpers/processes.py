@@ -10,7 +10,8 @@ import contextlib
 import queue
 import subprocess
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 
