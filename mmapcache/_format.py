@@ -4,7 +4,11 @@ Format version 1
 ================
 
 A cache is a directory. Every file in it is created before the directory is renamed into place, so a
-reader never sees a partial cache. Sizes are fixed at creation; nothing is ever appended or truncated.
+reader never sees a partial cache: it is built as ``<parent>/.mmapcache-new-PID-HEX/cache`` (a scratch directory
+whose first file is the marker ``MMAPCACHE-SCRATCH``), and removed by renaming it to
+``<parent>/.mmapcache-old-PID-HEX/cache`` first; only such marked scratch directories of dead processes are ever
+swept. Every file of a cache is a regular file with one link (opened with ``O_NOFOLLOW``; see ``_files``).
+Sizes are fixed at creation; nothing is ever appended or truncated.
 
 Terms: ``N`` = ``length`` (samples in the source); ``S`` = ``slots`` (samples that can be cached, ``S <= N``);
 ``K`` = ``variants`` (stored versions of each sample); ``R = S * K`` rows. Sample ``i`` lives in slot

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -16,24 +15,9 @@ from typing import Any
 
 from .errors import SpecError
 
-__all__ = ["DatasetSpec", "parse_kwargs", "load_callable", "check_map_style"]
+__all__ = ["DatasetSpec", "load_callable", "check_map_style"]
 
 _FORMS = "'package.module:name' or 'path/to/file.py:name'"
-
-
-def parse_kwargs(text: str | None) -> dict[str, Any]:
-    """The ``--kwargs`` JSON object as a dict (``None`` or empty: no arguments)."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"--kwargs is not valid JSON ({exc.msg} at column {exc.colno}); pass an object such as "
-                        "'{\"root\": \"/data\", \"size\": 224}'") from None
-    if not isinstance(value, dict):
-        raise SpecError(f"--kwargs must be a JSON object of keyword arguments, got a JSON {type(value).__name__}; "
-                        "pass e.g. '{\"size\": 224}'")
-    return value
 
 
 def load_callable(spec: str) -> Callable[..., Any]:

@@ -401,7 +401,9 @@ class MmapCachedDataset(Dataset):
         computed and stored. Needs ``reads_batches``. Safe across processes and threads."""
         reader = self._ensure_open()
         idx = check_indices(indices, self._length, self._where())
-        alloc = _alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
+        from ._loader import alloc_shared
+
+        alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
         return reader.collate(self._gather(idx, self._epoch_view[0] if epoch is None else epoch, alloc))
 
     def loader(self, **kwargs: Any) -> torch.utils.data.DataLoader:
@@ -430,15 +432,6 @@ class MmapCachedDataset(Dataset):
 
     def __repr__(self) -> str:
         return f"MmapCachedDataset({self.path!r}, length={self._length}, variants={self._rows.variants})"
-
-
-def _alloc_shared(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A numpy array over a fresh shared-memory tensor storage: a worker's batch then crosses to the main process
-    without the copy that sending an ordinary tensor costs (torch's default collate does the same)."""
-    tensor = torch.from_numpy(np.empty(0, dtype))
-    count = int(np.prod(shape, dtype=np.int64))
-    storage = tensor.untyped_storage()._new_shared(count * dtype.itemsize)
-    return tensor.new(storage).view(-1)[:count].view(shape).numpy() if count else np.empty(shape, dtype)
 
 
 def _close_store(store: Store, delete_on_close: bool) -> None:

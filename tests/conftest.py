@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -26,3 +27,16 @@ def shm_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 def cache_path(shm_dir: str) -> str:
     """A path for a new cache (not yet created) inside ``shm_dir``."""
     return os.path.join(shm_dir, "cache")
+
+
+@pytest.fixture
+def untouched(shm_dir: str) -> Iterator[Callable[..., None]]:
+    """Runs a call that must raise, then checks the cache directory's parent gained no entry."""
+
+    def check(exc: type[BaseException], match: str, make: Callable[[], Any]) -> None:
+        before = sorted(os.listdir(shm_dir))
+        with pytest.raises(exc, match=match):
+            make()
+        assert sorted(os.listdir(shm_dir)) == before, "a failed call left files behind"
+
+    yield check

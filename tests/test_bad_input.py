@@ -14,20 +14,6 @@ from torch.utils.data import Dataset, IterableDataset
 from helpers.sources import ImageLabels
 from mmapcache import CacheFormatError, LayoutError, MmapCachedDataset, MmapCacheError
 
-
-@pytest.fixture
-def untouched(shm_dir: str) -> Iterator[Callable[..., None]]:
-    """Runs a call that must raise, then checks the cache directory's parent gained no entry."""
-
-    def check(exc: type[BaseException], match: str, make: Callable[[], Any]) -> None:
-        before = sorted(os.listdir(shm_dir))
-        with pytest.raises(exc, match=match):
-            make()
-        assert sorted(os.listdir(shm_dir)) == before, "a failed call left files behind"
-
-    yield check
-
-
 # --- path -------------------------------------------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ import enum
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,17 +38,6 @@ class Samples(Dataset):
         return self.make(index)
 
 
-@pytest.fixture
-def untouched(shm_dir: str) -> Iterator[Callable[..., None]]:
-    """Runs a call that must raise, then checks the cache directory's parent gained no entry."""
-
-    def check(exc: type[BaseException], match: str, make: Callable[[], Any]) -> None:
-        before = sorted(os.listdir(shm_dir))
-        with pytest.raises(exc, match=match):
-            make()
-        assert sorted(os.listdir(shm_dir)) == before, "a failed call left files behind"
-
-    yield check
 
 
 def _nest(levels: int, inner: Any) -> Any:
