@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .errors import (
     BuildWorkerDiedError,
     CacheFormatError,

@@ -35,6 +35,7 @@ from ._options import CreateOptions
 from ._reader import RowReader
 from ._rows import RowMap
 from ._store import Store
+from ._version import __version__
 from .errors import CacheMismatchError, CacheNotFoundError, LayoutError
 
 __all__ = ["Source", "Request", "open_cache", "identity"]
@@ -181,7 +182,7 @@ def _create_locked(request: Request, source: Source) -> None:
 
     _create.create(
         request.path, layout, length=source.length, slots=slots, variants=variants, slot_index=slot_index,
-        fingerprint=request.fingerprint, delete_on_close=request.delete_on_close, library_version=_version(),
+        fingerprint=request.fingerprint, delete_on_close=request.delete_on_close, library_version=__version__,
         prepare=store_first,
     )
 
@@ -274,9 +275,3 @@ def _replaced_message(path: str, expected: dict[str, Any], found: dict[str, Any]
     return (f"the cache at {path} was replaced by one of another source since this dataset opened it ({detail}); "
             "this process refuses to serve it. Open the dataset again (with overwrite=True to replace it back), or "
             "use separate paths for separate sources")
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
