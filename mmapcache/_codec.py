@@ -268,3 +268,13 @@ def _compile_leaf(field: Field) -> Callable[[Any], Any]:
             raise _Slow
         return (x.view(raw) if raw is not None else x).numpy()
     return check_tensor
+
+
+def differing_field(layout: Layout, stored: list[Any], fresh: list[Any]) -> str | None:
+    """The name of the first field whose stored value differs from a freshly checked one (bytes and shape)."""
+    for field, a, b in zip(layout.fields, stored, fresh):
+        a = np.asarray(a, dtype=field.np_dtype)
+        b = np.asarray(b, dtype=field.np_dtype)
+        if a.shape != b.shape or a.tobytes() != b.tobytes():
+            return field.name
+    return None

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from . import _admin, _create
+from ._codec import differing_field
 from ._layout import Layout
 from ._options import CreateOptions
 from ._reader import RowReader
@@ -248,16 +249,6 @@ def _sample_mismatch(store: Store, request: Request, source: Source) -> str | No
     return (f"sample {index} computed now differs from the stored copy in field {field!r} (a changed source, or "
             "one that is not deterministic); give the source a fingerprint= that changes with it, or declare a "
             "random source with deterministic=False")
-
-
-def differing_field(layout: Layout, stored: list[Any], fresh: list[Any]) -> str | None:
-    """The name of the first field whose stored value differs from a freshly checked one (bytes and shape)."""
-    for field, a, b in zip(layout.fields, stored, fresh):
-        a = np.asarray(a, dtype=field.np_dtype)
-        b = np.asarray(b, dtype=field.np_dtype)
-        if a.shape != b.shape or a.tobytes() != b.tobytes():
-            return field.name
-    return None
 
 
 def _mismatch_message(path: str, problem: str, just_created: bool = False) -> str:

@@ -15,6 +15,7 @@ from . import _format as fmt
 from ._admin import users_of
 from ._create import free_bytes
 from ._paths import cache_root, resolve_path
+from ._rows import RowMap
 from ._sizes import format_size
 from ._store import Store
 from .errors import MmapCacheError
@@ -80,11 +81,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         stale = state.stale_rows(rows) & filled if store.rows else np.zeros(0, bool)
         per_index = np.full(store.length, np.nan)
         if store.rows:
-            per_slot = filled.reshape(store.slots, store.variants).mean(axis=1)
-            if store.slot_index is None:
-                per_index[: store.slots] = per_slot
-            else:
-                per_index[store.slot_index] = per_slot
+            per_index = RowMap.of(store).per_index(filled.reshape(store.slots, store.variants).mean(axis=1))
         fields = []
         for field, spec in zip(store.layout.fields, meta["fields"]):
             fields.append({

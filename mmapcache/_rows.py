@@ -84,6 +84,10 @@ class RowMap:
             return slot * k + epoch % k
         return slot * k + mix(self.seed, epoch, index) % k
 
+    def row_at(self, slot: int, variant: int) -> int:
+        """The row of ``variant`` of the sample in ``slot``."""
+        return slot * self.variants + variant
+
     # --- many samples ------------------------------------------------------------------------------------------
 
     def slots_of(self, idx: np.ndarray) -> np.ndarray:

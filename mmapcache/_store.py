@@ -161,14 +161,6 @@ class Store:
                                    "damaged: remove it and build it again")
         return index
 
-    def slot_lookup(self) -> np.ndarray | None:
-        """An int64 array mapping each source index to its slot or -1, or None when slots are a prefix."""
-        if self.slot_index is None:
-            return None
-        lookup = np.full(self.length, -1, dtype=np.int64)
-        lookup[self.slot_index] = np.arange(self.slots, dtype=np.int64)
-        return lookup
-
     # --- users (reference count through the kernel's locks) ----------------------------------------------------
 
     def moved(self) -> bool:

@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from . import _format as fmt
+from ._codec import differing_field
 from ._files import check_entry
 from ._paths import resolve_path
+from ._rows import RowMap
 from ._specs import DatasetSpec
 from ._store import Store
 
@@ -127,16 +129,16 @@ def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, 
     from ._reader import RowReader
 
     reader = RowReader(store, recompute_stale=False)
+    rowmap = RowMap.of(store)
     k = store.variants
     filled = store.state.filled_rows(np.arange(store.rows, dtype=np.int64))
     slots = np.flatnonzero(filled.reshape(store.slots, k).any(axis=1)) if store.rows else np.zeros(0, np.int64)
     if samples is not None and samples < len(slots):
         slots = np.sort(np.random.default_rng(seed).choice(slots, size=samples, replace=False))
     set_epoch = getattr(dataset, "set_epoch", None) if k > 1 else None
-    for slot in slots.tolist():
-        index = slot if store.slot_index is None else int(store.slot_index[slot])
+    for slot, index in zip(slots.tolist(), rowmap.indices_of_slots(slots).tolist()):
         for variant in range(k):
-            row = slot * k + variant
+            row = rowmap.row_at(slot, variant)
             if not filled[row]:
                 continue
             stored = reader.read_values(row)
@@ -150,16 +152,8 @@ def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, 
                 result.differences.append(f"sample {index}: the source raised {type(exc).__name__}: {exc}")
                 continue
             result.compared += 1
-            for field, a, b in zip(store.layout.fields, stored, fresh):
-                a = np.asarray(a, dtype=field.np_dtype)
-                b = _as_stored(b, field.np_dtype)
-                if a.shape != b.shape or a.tobytes() != b.tobytes():
-                    where = f"sample {index}" + (f" variant {variant}" if k > 1 else "")
-                    result.differences.append(f"{where} (row {row}), field {field.name!r}: the stored value differs "
-                                              "from the source's")
-                    break
-
-
-def _as_stored(value: Any, dtype: np.dtype) -> np.ndarray:
-    """A checked value (numpy array or scalar; tensors numpy lacks are already viewed as raw ints) as stored."""
-    return np.asarray(value, dtype=dtype)
+            field = differing_field(store.layout, stored, fresh)
+            if field is not None:
+                where = f"sample {index}" + (f" variant {variant}" if k > 1 else "")
+                result.differences.append(f"{where} (row {row}), field {field!r}: the stored value differs from the "
+                                          "source's")
