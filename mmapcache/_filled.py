@@ -190,29 +190,26 @@ class SlotState:
                 "this process opened the cache read-only (no write permission on its files, or a read-only mount)"
             )
 
-    def publish(self, row: int, write: Callable[[], None], *, replace: bool = False) -> bool:
+    def publish(self, row: int, write: Callable[[], None]) -> bool:
         """Stores row ``row`` by calling ``write()`` under the lock, unless it is already filled and not stale.
-
-        ``replace=True`` rewrites a filled row even if it is not stale (used by refresh in tests and tools).
-        Returns whether this call stored the row. Safe across processes and threads.
-        """
+        Returns whether this call stored the row. Safe across processes and threads."""
         self._require_writable()
         with self.lock:
-            return self._publish_locked(row, write, replace)
+            return self._publish_locked(row, write)
 
     def publish_many(self, items: list[tuple[int, Callable[[], None]]]) -> int:
         """``publish`` for several rows under one acquisition of the lock (a batch's misses). Returns how many
         this call stored. Safe across processes and threads."""
         self._require_writable()
         with self.lock:
-            return sum(self._publish_locked(row, write, False) for row, write in items)
+            return sum(self._publish_locked(row, write) for row, write in items)
 
-    def _publish_locked(self, row: int, write: Callable[[], None], replace: bool) -> bool:
+    def _publish_locked(self, row: int, write: Callable[[], None]) -> bool:
         """Caller holds the writer lock."""
         byte, mask = row >> 3, 1 << (row & 7)
         seq = self.seq[row]
         filled = bool(self.filled[byte] & mask) and not seq & 1  # odd: a writer died mid-write
-        if filled and not replace and not self.stale[byte] & mask:
+        if filled and not self.stale[byte] & mask:
             return False
         self.seq[row] = (seq | 1) & 0xFFFFFFFF
         write()
@@ -232,15 +229,6 @@ class SlotState:
             stale[targets] = True
             self.stale_np[:] = np.packbits(stale, bitorder="little")
         return len(targets)
-
-    def clear(self, rows: np.ndarray) -> None:
-        """Marks rows unfilled and not stale (their bytes are left; they will be written again)."""
-        self._require_writable()
-        with self.lock:
-            for name in ("filled_np", "stale_np"):
-                mask = np.unpackbits(getattr(self, name), bitorder="little", count=self.rows).astype(bool)
-                mask[np.asarray(rows, dtype=np.int64)] = False
-                getattr(self, name)[:] = np.packbits(mask, bitorder="little")
 
     def close(self) -> None:
         self.lock.close()

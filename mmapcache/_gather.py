@@ -73,9 +73,6 @@ class BufferPool:
                 buffers.append(out)
             return out
 
-    def clear(self) -> None:
-        with self._lock:
-            self._buffers.clear()
 
 
 _executor: ThreadPoolExecutor | None = None
