@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING
 
 from ._version import __version__
 from .errors import (
-    BuildWorkerDiedError,
     CacheFormatError,
     CacheInUseError,
     CacheMismatchError,
@@ -47,7 +46,6 @@ __all__ = [
     "SampleNotCachedError",
     "SpecError",
     "UnsupportedFileSystemError",
-    "BuildWorkerDiedError",
     "UsageError",
     "WorkerStartError",
     "SourceError",

@@ -20,7 +20,6 @@ __all__ = [
     "SpecError",
     "CacheInUseError",
     "UnsupportedFileSystemError",
-    "BuildWorkerDiedError",
     "UsageError",
     "WorkerStartError",
     "SourceError",
@@ -88,9 +87,6 @@ def _rebuild_in_use(message: str, users: tuple[int, ...]) -> CacheInUseError:
 class UnsupportedFileSystemError(MmapCacheError, OSError):
     """The file system cannot hold a cache (no shared memory maps, or the parent is not a directory)."""
 
-
-class BuildWorkerDiedError(MmapCacheError, RuntimeError):
-    """A build's worker process was killed by a signal (the OOM killer, a crash in native code)."""
 
 
 class UsageError(MmapCacheError, ValueError):
