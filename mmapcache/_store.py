@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import mmap
 import os
 import stat
@@ -113,17 +114,25 @@ class Store:
         except FileNotFoundError:
             raise CacheFormatError(f"{path} is missing; {fix}") from None
         try:
+            expected = _npy_header(dtype, shape)
             with os.fdopen(os.dup(fd), "rb") as f:
-                try:
-                    version = np.lib.format.read_magic(f)
-                    read_header = {(1, 0): np.lib.format.read_array_header_1_0,
-                                   (2, 0): np.lib.format.read_array_header_2_0}.get(version)
-                    if read_header is None:
-                        raise ValueError(f"unsupported .npy version {version}")
-                    header = read_header(f)
-                except (ValueError, SyntaxError) as exc:
-                    raise CacheFormatError(f"{path} is not a valid .npy file ({exc}); {fix}") from None
-                offset = f.tell()
+                if f.read(len(expected)) == expected:
+                    # The header we write, byte for byte: no need to parse it. (numpy parses headers with
+                    # ast.literal_eval, and CPython 3.11's AST conversion can fail spuriously with "recursion depth
+                    # mismatch" in a process that forks; this keeps ast out of every normal open.)
+                    header, offset = (shape, False, dtype), len(expected)
+                else:
+                    f.seek(0)
+                    try:
+                        version = np.lib.format.read_magic(f)
+                        read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                                       (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+                        if read_header is None:
+                            raise ValueError(f"unsupported .npy version {version}")
+                        header = read_header(f)
+                    except (ValueError, SyntaxError) as exc:
+                        raise CacheFormatError(f"{path} is not a valid .npy file ({exc}); {fix}") from None
+                    offset = f.tell()
             found_shape, fortran, found_dtype = header
             if tuple(found_shape) != shape or fortran or np.dtype(found_dtype) != dtype:
                 raise CacheFormatError(
@@ -272,3 +281,12 @@ def _release(maps: list[mmap.mmap], fds: list[int]) -> None:
         with contextlib.suppress(BufferError, ValueError):
             m.close()
     maps.clear()
+
+
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The ``.npy`` (format 1.0) header numpy writes for a C-order array of ``dtype`` and ``shape``, magic included:
+    what ``_create`` wrote, so an intact file's header compares equal byte for byte."""
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        out, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
+    return out.getvalue()
