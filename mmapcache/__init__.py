@@ -18,6 +18,7 @@ from .errors import (
     SampleNotCachedError,
     SourceError,
     SpecError,
+    UncachedFieldWarning,
     UnsupportedFileSystemError,
     UsageError,
     WorkerStartError,
@@ -26,6 +27,8 @@ from .errors import (
 __all__ = [
     "__version__",
     "MmapCachedDataset",
+    "PadCollate",
+    "Padded",
     "build",
     "BuildReport",
     "verify",
@@ -50,6 +53,7 @@ __all__ = [
     "WorkerStartError",
     "SourceError",
     "CacheReadOnlyWarning",
+    "UncachedFieldWarning",
 ]
 
 if TYPE_CHECKING:  # what the lazy names below are, for type checkers
@@ -59,12 +63,15 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers
     from ._paths import cache_root
     from ._report import describe, list_caches
     from ._verify import VerifyResult, verify
+    from .collate import PadCollate, Padded
     from .dataset import MmapCachedDataset
 
 # Loaded lazily (PEP 562): the dataset module imports torch, and the others need not be paid for by a script
 # that only opens a cache, so `mmapcache inspect` starts without importing torch.
 _LAZY = {
     "MmapCachedDataset": "dataset",
+    "PadCollate": "collate",
+    "Padded": "collate",
     "build": "_build",
     "BuildReport": "_driver",
     "verify": "_verify",

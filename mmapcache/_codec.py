@@ -8,6 +8,7 @@ Torch is imported only when a tensor field needs it.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import namedtuple
 from collections.abc import Callable, Sequence
@@ -16,8 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from ._layout import BOOL, FLOAT, INT, NDARRAY, NPSCALAR, TENSOR, Field, Layout, fold
-from .errors import CacheFormatError
+from ._layout import (
+    BOOL, BYTES, FLOAT, INT, JSON, NDARRAY, NPBYTES, NPSCALAR, NPSTR, PYLIST, STR, TENSOR, Field, Layout,
+    encode_metadata, find_class, fold, number_list,
+)
+from .errors import CacheFormatError, LayoutError
 
 # --- rebuilding ------------------------------------------------------------------------------------------------
 
@@ -110,9 +114,22 @@ def batch_builder(structure: Any) -> Callable[[Sequence[Any]], Any]:
 
 
 def leaf_converter(field: Field) -> Callable[[np.ndarray], Any]:
-    """A function turning a stored value (a fresh, writable numpy array) into what the source returned."""
+    """A function turning a stored value (a fresh, writable numpy array) into what the source returned (a tensor
+    subclass's field gives the plain tensor: ``subclass_wrapper`` makes the subclass)."""
     if field.kind == NDARRAY:
         return lambda a: a
+    if field.kind == STR:
+        return lambda a: a.tobytes().decode()
+    if field.kind == BYTES:
+        return lambda a: a.tobytes()
+    if field.kind == NPSTR:
+        return lambda a: np.str_(a.tobytes().decode())
+    if field.kind == NPBYTES:
+        return lambda a: np.bytes_(a.tobytes())
+    if field.kind == PYLIST:
+        return lambda a: a.tolist()
+    if field.kind == JSON:
+        return lambda a: decode_metadata(a.tobytes(), field.name)
     if field.kind == INT:
         return lambda a: int(a)
     if field.kind == FLOAT:
@@ -141,15 +158,83 @@ def _torch_dtype(field: Field) -> Any:
 
 
 def batch_converter(field: Field) -> Callable[[np.ndarray], Any]:
-    """A function turning a batch of stored values (leading batch axis) into the collated tensor."""
+    """A function turning a batch of stored values (leading batch axis, a fixed field) into what
+    ``default_collate`` makes of them: a tensor; for a list of numbers, its transposition (nested lists of
+    tensors of one element per sample, as ``default_collate`` builds from lists)."""
     import torch
 
     from_numpy = torch.from_numpy
+    if field.kind == PYLIST:
+        def transpose(batch: np.ndarray) -> Any:
+            if batch.ndim == 1:
+                return from_numpy(batch)
+            return [transpose(batch[:, i]) for i in range(batch.shape[1])]
+        return transpose
     if field.kind == TENSOR:
         target = _torch_dtype(field)
         if from_numpy(np.zeros(0, field.np_dtype)).dtype != target:
             return lambda a: from_numpy(a).view(target)
     return from_numpy
+
+
+# --- tensor subclasses -------------------------------------------------------------------------------------------
+
+
+def subclass_wrapper(layout: Layout) -> Callable[[list[Any]], list[Any]] | None:
+    """A function turning a row's converted leaves' plain tensors into their subclasses, with their attributes
+    (from the metadata fields); None when the layout has no tensor subclass.
+
+    Raises:
+        LayoutError: a class the cache names is not among the imported modules (it is never imported because
+            ``meta.json`` names it); the message names the module to import.
+    """
+    import torch
+
+    wraps = []
+    for number, field in enumerate(layout.fields):
+        if field.tensor_class is None or field.metadata is None:
+            continue
+        module, qualname = field.tensor_class
+        cls = find_class(module, qualname)
+        if not (isinstance(cls, type) and issubclass(cls, torch.Tensor)):
+            raise LayoutError(
+                f"field {field.name!r} holds {module}.{qualname} tensors, and that class is not loaded in this process "
+                f"(mmapcache never imports a module because a cache names it); import {module.split('._')[0]} before "
+                "opening the cache (in a DataLoader worker: in the module that defines the source or transform)"
+            )
+        wraps.append((number, field.metadata, cls))
+
+    if not wraps:
+        return None
+
+    def wrap(leaves: list[Any]) -> list[Any]:
+        for number, meta, cls in wraps:
+            tensor = leaves[number].as_subclass(cls)
+            tensor.__dict__.update(leaves[meta])
+            leaves[number] = tensor
+        return leaves
+    return wrap
+
+
+def decode_metadata(text: bytes, name: str) -> dict[str, Any]:
+    """The attributes ``encode_metadata`` wrote (see ``_format`` for the tags)."""
+    def decode(value: Any) -> Any:
+        if type(value) is list:
+            return [decode(v) for v in value]
+        if type(value) is not dict:
+            return value
+        if "tuple" in value:
+            return tuple(decode(v) for v in value["tuple"])
+        if "dict" in value:
+            return {k: decode(v) for k, v in value["dict"].items()}
+        module, qualname, member = value["enum"]
+        cls = find_class(module, qualname)
+        if cls is None:
+            raise LayoutError(f"field {name!r}: an attribute is a member of {module}.{qualname}, which is not loaded "
+                              f"in this process (never imported by mmapcache); import {module} first")
+        return cls[member]
+
+    return {k: decode(v) for k, v in json.loads(text).items()}
 
 
 # --- the fast check on the publish path ------------------------------------------------------------------------
@@ -168,15 +253,21 @@ def compile_checker(layout: Layout) -> Callable[[Any, int], list[Any]]:
     arrays (possibly views of the source's tensors).
     """
     walk = _compile_walk(layout.structure)
-    leaf_checks = [_compile_leaf(f) for f in layout.fields]
+    leaf_checks = [_compile_leaf(f) for f in layout.fields if f.kind != JSON]
+    # A tensor subclass's attributes become the value of its metadata field (they follow the structure's fields).
+    described = [(number, f.name) for number, f in enumerate(layout.fields) if f.metadata is not None]
 
     def check(sample: Any, index: int) -> list[Any]:
         leaves: list[Any] = []
         try:
             walk(sample, leaves)
-            return [c(x) for c, x in zip(leaf_checks, leaves)]
+            values = [c(x) for c, x in zip(leaf_checks, leaves)]
         except _Slow:
             return layout.check(sample, index)
+        for number, name in described:
+            leaf = leaves[number]
+            values.append(encode_metadata(dict(vars(leaf)), name, type(leaf)))
+        return values
 
     return check
 
@@ -220,13 +311,25 @@ def _compile_walk(structure: Any) -> Callable[[Any, list[Any]], None]:
 
 
 def _compile_leaf(field: Field) -> Callable[[Any], Any]:
-    shape = field.shape
-    variable = field.variable
+    shape_ok = field.fits
+    if field.kind in (STR, BYTES, NPSTR, NPBYTES):
+        expected_type: type = {STR: str, BYTES: bytes, NPSTR: np.str_, NPBYTES: np.bytes_}[field.kind]
+        text = field.kind in (STR, NPSTR)
 
-    def shape_ok(found: tuple[int, ...]) -> bool:
-        if not variable:
-            return found == shape
-        return len(found) == len(shape) and all(s <= m for s, m in zip(found, shape))
+        def check_text(x: Any) -> Any:
+            if type(x) is not expected_type:
+                raise _Slow
+            return np.frombuffer(x.encode() if text else x, np.uint8)
+        return check_text
+    if field.kind == PYLIST:
+        list_dtype = field.np_dtype
+
+        def check_list(x: Any) -> Any:
+            array = number_list(x) if type(x) is list and x else None
+            if array is None or array.dtype != list_dtype or not shape_ok(array.shape):
+                raise _Slow
+            return array
+        return check_list
 
     if field.kind == INT:
         def check_int(x: Any) -> Any:
@@ -258,12 +361,22 @@ def _compile_leaf(field: Field) -> Callable[[Any], Any]:
     import torch
 
     tensor_type, target = torch.Tensor, _torch_dtype(field)
+    if field.tensor_class is not None:
+        found = find_class(*field.tensor_class)
+        tensor_type = found if isinstance(found, type) else type(None)  # unknown: the slow path explains
     # Types numpy lacks (bfloat16, complex32, float8) are stored as the unsigned int of their width.
     raw = getattr(torch, "uint" + str(8 * dtype.itemsize)) if field.torch_dtype and \
         torch.from_numpy(np.zeros(0, dtype)).dtype != target else None
 
+    plain = torch.Tensor
+    subclass = field.tensor_class is not None
+
     def check_tensor(x: Any) -> Any:
-        if type(x) is not tensor_type or x.dtype != target or x.requires_grad or x.is_conj() or x.is_neg() \
+        if subclass and type(x) is tensor_type:
+            x = x.as_subclass(plain)
+        elif type(x) is not tensor_type or subclass:
+            raise _Slow
+        if x.dtype != target or x.requires_grad or x.is_conj() or x.is_neg() \
                 or x.device.type != "cpu" or not shape_ok(tuple(x.shape)):
             raise _Slow
         return (x.view(raw) if raw is not None else x).numpy()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import math
 import os
 import re
 import secrets
@@ -65,11 +66,14 @@ def directory_lock(parent: str) -> Iterator[None]:
         os.close(fd)
 
 
-def plan_bytes(layout: Layout, rows: int, slots: int) -> int:
-    """Bytes a cache of this layout and size occupies (data, shapes, state and slot index; headers ignored)."""
+def plan_bytes(layout: Layout, rows: int, slots: int, ragged_bytes: int = 0) -> int:
+    """Bytes a cache of this layout and size occupies (data, shapes, heap indices, keys, state and slot index;
+    headers ignored), with ``ragged_bytes`` per row expected in the heaps."""
     shape_bytes = sum(8 * len(f.shape) for f in layout.fields if f.variable)
+    index_bytes = sum(8 * (2 + len(f.shape)) for f in layout.fields if f.ragged)
     slot_index = 8 * slots
-    return rows * (layout.row_bytes + shape_bytes + 4) + 2 * bitmap_bytes(rows) + slot_index
+    per_row = layout.row_bytes + shape_bytes + index_bytes + ragged_bytes + 4 + 8
+    return rows * per_row + 2 * bitmap_bytes(rows) + slot_index
 
 
 def free_bytes(directory: str) -> int:
@@ -89,18 +93,22 @@ def create(
     delete_on_close: bool,
     library_version: str,
     prepare: Callable[[str], None] | None = None,
+    heap_budget: int | None = None,
+    ragged_bytes: int = 0,
 ) -> None:
     """Creates a cache at ``path`` atomically. The caller holds ``parent_lock(path)`` and checked it is absent.
 
     ``prepare(tmp)``, if given, runs on the complete cache under its temporary name just before the rename (the
     creator stores its first sample there, so no opener ever sees that sample missing and computes it again).
+    Heaps start empty and grow as samples are stored (within ``heap_budget``); ``ragged_bytes`` (the expected heap
+    bytes per row) only enters the up-front space check.
 
     Raises:
         InsufficientSpaceError: not enough room; nothing is left behind.
     """
     parent = os.path.dirname(path)
     rows = slots * variants
-    needed = plan_bytes(layout, rows, slots if slot_index is not None else 0)
+    needed = plan_bytes(layout, rows, slots if slot_index is not None else 0, ragged_bytes)
     # Every file takes whole blocks (tmpfs: pages) plus its .npy header: a layout of many small fields otherwise
     # passes the check, then fails on ENOSPC with a message claiming it needs less than is free.
     needed += (2 * len(layout.fields) + 7) * ((os.statvfs(parent).f_frsize or 4096) + 128)
@@ -119,8 +127,13 @@ def create(
         meta = fmt.make_meta(
             layout, length=length, slots=slots, variants=variants, has_slot_index=slot_index is not None,
             fingerprint=fingerprint, delete_on_close=delete_on_close, library_version=library_version,
+            heap_budget=heap_budget,
         )
         for field, spec in zip(layout.fields, meta["fields"]):
+            if field.ragged:
+                _reserve(os.path.join(tmp, spec["heap"]), 0)
+                _write_npy(tmp, spec["index_file"], np.dtype("<i8"), (rows, 2 + len(field.shape)))
+                continue
             _write_npy(tmp, spec["file"], field.np_dtype, (rows, *field.shape))
             if spec["shape_file"]:
                 _write_npy(tmp, spec["shape_file"], np.dtype("<i8"), (rows, len(field.shape)))
@@ -130,7 +143,8 @@ def create(
                 f.seek(-8 * slots, os.SEEK_END)
                 f.write(np.asarray(slot_index, dtype="<i8").tobytes())
         for name, size in ((fmt.FILLED, bitmap_bytes(rows)), (fmt.STALE, bitmap_bytes(rows)), (fmt.SEQ, 4 * rows),
-                           (fmt.LOCK, 0), (fmt.USERS, 0)):
+                           (fmt.KEYS, 8 * rows), (fmt.HEAPS, 8 * 4 * len(layout.ragged)), (fmt.LOCK, 0),
+                           (fmt.USERS, 0)):
             _reserve(os.path.join(tmp, name), size)
         fmt.write_meta(tmp, meta)  # last: a directory with meta.json is a complete cache
         if prepare is not None:
@@ -140,6 +154,9 @@ def create(
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE):
             remove_scratch(scratch)
             if exc.errno in (errno.EMFILE, errno.ENFILE):
+                exc.add_note(f"mmapcache: a cache keeps one or two open files per field ({len(layout.fields)} fields "
+                             "here); raise the open-file limit (`ulimit -n`), or return fewer, larger fields (stack "
+                             "values into tensors)")
                 raise
             raise InsufficientSpaceError(_space_message(path, needed, free_bytes(parent), layout, variants,
                                                         length)) from None
@@ -225,7 +242,7 @@ def _write_npy(directory: str, name: str, dtype: np.dtype, shape: tuple[int, ...
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE), "wb") as f:
         np.lib.format.write_array_header_1_0(f, header)
         offset = f.tell()
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     return _reserve(path, offset + nbytes, keep_open=keep_open)
 
 

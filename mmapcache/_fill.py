@@ -130,7 +130,7 @@ class Filler:
                 if worker.set_epoch is not None:
                     worker.set_epoch(variant)  # sources that key their augmentation on the epoch
                 values = reader.check(worker.dataset[index], index)
-                stored = state.publish(row, lambda: reader.write(row, values))  # noqa: B023 - called at once
+                stored = state.publish(row, index, lambda: reader.write(row, values))  # noqa: B023 - called at once
             except (CacheFormatError, CacheNotFoundError) as exc:
                 if worker.store.moved():  # removed under us (`mmapcache rm --force`): not this sample's fault
                     result["removed"] = str(exc)

@@ -2,9 +2,10 @@
 
 This is the only module that takes the lock or changes the state files (see ``_format`` for their layout).
 
-Publication protocol (a writer storing row ``r``), all under the writer lock:
+Publication protocol (a writer storing row ``r`` for source index ``key``), all under the writer lock:
   1. re-check: a filled, non-stale row with an even counter is left alone (someone else stored it);
-  2. ``seq[r]`` becomes odd; 3. the row's bytes are written; 4. ``seq[r]`` becomes even;
+  2. ``seq[r]`` becomes odd; 3. the row's bytes are written (heap room is found first: with none, the counter
+  is put back and nothing was written), then ``keys[r] = key``; 4. ``seq[r]`` becomes even;
   5. the filled bit is set and the stale bit cleared.
 Readers take no lock: a row is read if its filled bit is set and its counter is even, and the copy is kept only
 if the counter did not change meanwhile. A writer killed between 2 and 4 leaves an odd counter, which the next
@@ -29,8 +30,12 @@ from collections.abc import Callable
 import numpy as np
 
 from ._files import open_file
-from ._format import FILLED, LOCK, SEQ, STALE
+from ._format import FILLED, KEYS, LOCK, SEQ, STALE
 from .errors import CacheFormatError, CacheReadOnlyError
+
+
+class NoRoom(Exception):  # noqa: N818 - a signal between the writer and publish, never seen by users
+    """Raised by a row's ``write`` before it writes anything: a heap has no room for the value."""
 
 
 def bitmap_bytes(rows: int) -> int:
@@ -129,10 +134,10 @@ class SlotState:
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         nbits = bitmap_bytes(rows)
         self._maps = [
-            _map_exact(directory, name, size, access, writable)
-            for name, size in ((FILLED, nbits), (STALE, nbits), (SEQ, 4 * rows))
+            map_exact(directory, name, size, access, writable)
+            for name, size in ((FILLED, nbits), (STALE, nbits), (SEQ, 4 * rows), (KEYS, 8 * rows))
         ]
-        filled_map, stale_map, seq_map = self._maps
+        filled_map, stale_map, seq_map, keys_map = self._maps
         # memoryviews index ~3x faster than numpy scalars; numpy views serve the vectorised paths.
         self.filled = memoryview(filled_map)
         self.stale = memoryview(stale_map)
@@ -140,6 +145,8 @@ class SlotState:
         self.filled_np = np.frombuffer(filled_map, np.uint8)
         self.stale_np = np.frombuffer(stale_map, np.uint8)
         self.seq_np = np.frombuffer(seq_map, "<u4")
+        self.keys = memoryview(keys_map).cast("q")
+        self.keys_np = np.frombuffer(keys_map, "<i8")
 
     # --- reading (lock-free) -----------------------------------------------------------------------------------
 
@@ -190,21 +197,22 @@ class SlotState:
                 "this process opened the cache read-only (no write permission on its files, or a read-only mount)"
             )
 
-    def publish(self, row: int, write: Callable[[], None]) -> bool:
-        """Stores row ``row`` by calling ``write()`` under the lock, unless it is already filled and not stale.
-        Returns whether this call stored the row. Safe across processes and threads."""
+    def publish(self, row: int, key: int, write: Callable[[], None]) -> bool:
+        """Stores row ``row`` (holding source index ``key``) by calling ``write()`` under the lock, unless it is
+        already filled and not stale. ``write`` may raise ``NoRoom`` before writing anything (a full heap): the
+        row is then left as it was. Returns whether this call stored the row. Safe across processes and threads."""
         self._require_writable()
         with self.lock:
-            return self._publish_locked(row, write)
+            return self._publish_locked(row, key, write)
 
-    def publish_many(self, items: list[tuple[int, Callable[[], None]]]) -> int:
-        """``publish`` for several rows under one acquisition of the lock (a batch's misses). Returns how many
-        this call stored. Safe across processes and threads."""
+    def publish_many(self, items: list[tuple[int, int, Callable[[], None]]]) -> int:
+        """``publish`` for several ``(row, key, write)`` under one acquisition of the lock (a batch's misses).
+        Returns how many this call stored. Safe across processes and threads."""
         self._require_writable()
         with self.lock:
-            return sum(self._publish_locked(row, write) for row, write in items)
+            return sum(self._publish_locked(row, key, write) for row, key, write in items)
 
-    def _publish_locked(self, row: int, write: Callable[[], None]) -> bool:
+    def _publish_locked(self, row: int, key: int, write: Callable[[], None]) -> bool:
         """Caller holds the writer lock."""
         byte, mask = row >> 3, 1 << (row & 7)
         seq = self.seq[row]
@@ -212,7 +220,12 @@ class SlotState:
         if filled and not self.stale[byte] & mask:
             return False
         self.seq[row] = (seq | 1) & 0xFFFFFFFF
-        write()
+        try:
+            write()
+        except NoRoom:
+            self.seq[row] = seq  # nothing was written: the row stays what it was
+            return False
+        self.keys[row] = key
         self.seq[row] = ((seq | 1) + 1) & 0xFFFFFFFF or 2  # wraps past 0 to 2: 0 means "never written"
         self.filled[byte] |= mask
         self.stale[byte] &= ~mask & 0xFF
@@ -233,14 +246,14 @@ class SlotState:
     def close(self) -> None:
         self.lock.close()
         # Views must go before their maps can close; a map still exported elsewhere stays open until collected.
-        del self.filled, self.stale, self.seq, self.filled_np, self.stale_np, self.seq_np
+        del self.filled, self.stale, self.seq, self.filled_np, self.stale_np, self.seq_np, self.keys, self.keys_np
         for m in self._maps:
             with contextlib.suppress(BufferError):
                 m.close()
         self._maps = []
 
 
-def _map_exact(directory: str, name: str, size: int, access: int, writable: bool) -> mmap.mmap:
+def map_exact(directory: str, name: str, size: int, access: int, writable: bool) -> mmap.mmap:
     """Maps a state file, checking it has exactly the expected size."""
     path = os.path.join(directory, name)
     try:

@@ -1,6 +1,6 @@
 """The on-disk format of a cache: file names, the ``meta.json`` schema, magic and version.
 
-Format version 1
+Format version 2
 ================
 
 A cache is a directory. Every file in it is created before the directory is renamed into place, so a
@@ -8,7 +8,7 @@ reader never sees a partial cache: it is built as ``<parent>/.mmapcache-new-PID-
 whose first file is the marker ``MMAPCACHE-SCRATCH``), and removed by renaming it to
 ``<parent>/.mmapcache-old-PID-HEX/cache`` first; only such marked scratch directories of dead processes are ever
 swept. Every file of a cache is a regular file with one link (opened with ``O_NOFOLLOW``; see ``_files``).
-Sizes are fixed at creation; nothing is ever appended or truncated.
+Every file but the heaps has a fixed size from creation; heaps grow (see below); nothing is ever truncated.
 
 Terms: ``N`` = ``length`` (samples in the source); ``S`` = ``slots`` (samples that can be cached, ``S <= N``);
 ``K`` = ``variants`` (stored versions of each sample); ``R = S * K`` rows. Sample ``i`` lives in slot
@@ -17,31 +17,60 @@ Terms: ``N`` = ``length`` (samples in the source); ``S`` = ``slots`` (samples th
 
 ``meta.json`` (UTF-8 JSON, written once at creation, never modified)::
 
-    {"magic": "mmapcache", "format_version": 1, "library_version": "0.1.0",
-     "created": "2026-11-22T03:00:00Z",      # UTC, ISO 8601
+    {"magic": "mmapcache", "format_version": 2, "library_version": "0.2.0",
+     "created": "2026-11-23T03:00:00Z",      # UTC, ISO 8601
+     "mode": "cache",                        # the only mode of this version's readers (see "Reserved" below)
+     "share": null,                          # reserved for node shares (see below)
      "length": N, "slots": S, "variants": K, "rows": R,
      "slot_index": null | "slot_index.npy",  # which source index each slot holds, when not a prefix
      "fingerprint": null | "<str>",          # caller's identification of the source
      "delete_on_close": false,               # remove the cache when its last user detaches
+     "heap_budget": null | <int>,            # bytes all heaps together may reserve (from max_bytes)
      "structure": {...},                     # the container tree: {"tuple": [...]}, {"list": [...]},
                                              #   {"dict": [[key, node], ...]},
                                              #   {"namedtuple": [module, qualname, [names]], "items": [...]},
                                              #   {"leaf": field_number}
      "fields": [{"name": "0", "kind": "tensor", "dtype": "|u1", "torch_dtype": "uint8",
-                 "shape": [3, 64, 64], "variable": false, "file": "0.npy",
-                 "shape_file": null | "0.shape.npy"}, ...]}
+                 "shape": [3, 64, 64], "variable": false, "ragged": false, "class": null, "metadata": null,
+                 "file": "0.npy", "shape_file": null, "heap": null, "index_file": null}, ...]}
 
-``kind`` is one of tensor, ndarray, int, float, bool, numpy_scalar. ``dtype`` is ``numpy.dtype.str``; torch
-dtypes without a numpy equivalent (bfloat16, complex32, float8) are stored as the unsigned integer of the same
-width and ``torch_dtype`` names the real type.
+``kind`` is one of tensor, ndarray, int, float, bool, numpy_scalar, str, bytes, pylist (a Python list of numbers,
+nested or not, stored as one array and returned with ``tolist()``), json (a tensor subclass's attributes). ``dtype``
+is ``numpy.dtype.str``; torch dtypes without a numpy equivalent (bfloat16, complex32, float8) are stored as the
+unsigned integer of the same width and ``torch_dtype`` names the real type. The structure's leaves are the fields
+``0 .. L-1``; metadata fields (kind json, named ``<path>#meta``) follow them.
 
-``<field>.npy`` (one per field): a standard NumPy ``.npy`` file (format 1.0, C order) of shape ``(R, *shape)``,
-so ``numpy.load(path + "/image.npy", mmap_mode="r")`` reads it. Row ``r`` holds the sample stored in row ``r``
-if its filled bit is set; other rows are zero or stale. A *variable* field's row holds the sample's value
-flattened (C order) in its first ``prod(actual_shape)`` elements; the actual shape is row ``r`` of
+``class`` (tensor fields): null, or ``[module, qualname]`` of the ``torch.Tensor`` subclass a value is rebuilt as
+(found among imported modules only; never imported because this file names it). ``metadata``: null, or the
+number of the json field holding each sample's instance attributes as compact JSON, where a dict is
+``{"dict": {...}}``, a tuple ``{"tuple": [...]}`` and an Enum member ``{"enum": [module, qualname, name]}``.
+
+Fixed fields (``ragged`` false). ``<field>.npy``: a standard NumPy ``.npy`` file (format 1.0, C order) of shape
+``(R, *shape)``, so ``numpy.load(path + "/image.npy", mmap_mode="r")`` reads it. Row ``r`` holds the sample stored
+in row ``r`` if its filled bit is set; other rows are zero or stale. A *variable* field (``max_shapes``) holds the
+value flattened (C order) in the row's first ``prod(actual_shape)`` elements; the actual shape is row ``r`` of
 ``<field>.shape.npy``, an int64 ``.npy`` of shape ``(R, ndim)``.
 
+Ragged fields (``ragged`` true: ``str``, ``bytes``, json, and arrays whose shape varies; ``shape`` holds ``-1`` in
+each dimension that varies, ``file`` is null):
+
+- ``<field>.heap``: the values' bytes packed back to back (C order; UTF-8 for ``str``), each at an offset that is
+  a multiple of the dtype's item size. Its size is its *capacity*, reserved with ``posix_fallocate`` before any
+  byte is written there, so a reader mapping it never faults past the end of the file.
+- ``<field>.index.npy``: int64 ``.npy`` of shape ``(R, 2 + ndim)``: ``[offset, nbytes, *shape]`` of row ``r``'s value.
+- ``heaps.u64``: ``4 * H`` little-endian uint64, four per ragged field in field order: ``[end, capacity,
+  abandoned, uncached]``: bytes in use, bytes reserved (the heap file's size), bytes in use by no row any more
+  (rewrites), and samples served uncached because the heap had no room. Changed only under the writer lock.
+
+A writer (holding the lock) rewrites a value in place when it fits the row's previous extent, else appends it at
+``end``, growing the heap first by ``max(16 KiB, capacity / 8)`` (within ``heap_budget``); the old extent, or the
+unused tail of a reused one, is added to ``abandoned``. With no room (the file system, or the budget), the row is
+not stored and ``uncached`` counts it. A reader maps a heap at its size when it opens it, and maps it again when a
+row's ``offset + nbytes`` passes the mapped size.
+
 ``slot_index.npy`` (only when ``slot_index`` is not null): int64, shape ``(S,)``: the source index in each slot.
+
+``keys.i64``: ``R`` little-endian int64: the source index whose sample row ``r`` holds, written with the row.
 
 ``filled.bits``: ``ceil(R / 8)`` bytes; bit ``r`` (byte ``r // 8``, bit ``r % 8``, little-endian bit order as
 ``numpy.unpackbits(bits, bitorder="little")`` reads it) is 1 when row ``r`` holds a complete sample.
@@ -49,21 +78,31 @@ flattened (C order) in its first ``prod(actual_shape)`` elements; the actual sha
 ``stale.bits``: same size and order; bit ``r`` is 1 when row ``r`` was marked for recomputation (refresh).
 
 ``seq.u32``: ``R`` little-endian uint32 sequence counters. A writer makes ``seq[r]`` odd before touching row
-``r``'s bytes and even (one higher) after. A reader copies a row only if its filled bit is set and ``seq[r]`` is
-even, and keeps the copy only if ``seq[r]`` is unchanged after the copy (a seqlock). A filled row's counter is
-at least 2. An odd counter seen by a writer holding the lock is a writer that died mid-write: the row is
-treated as unfilled.
+``r``'s bytes (fixed rows, heap bytes, index row and key) and even (one higher) after. A reader copies a row only
+if its filled bit is set and ``seq[r]`` is even, and keeps the copy only if ``seq[r]`` is unchanged after the copy
+(a seqlock). A filled row's counter is at least 2. An odd counter seen by a writer holding the lock is a writer
+that died mid-write: the row is treated as unfilled.
 
-``lock``: empty. ``flock(LOCK_EX)`` on it is the writer lock: bitmaps and counters change, and rows are
-written, only under it. POSIX byte-range locks (``fcntl``) on byte ``c`` of the same file are build workers'
-claims on chunk ``c`` (Linux keeps the two kinds of lock independent); the kernel drops both when a holder dies.
+``lock``: empty. ``flock(LOCK_EX)`` on it is the writer lock: bitmaps, counters, keys and heap counters change,
+and rows are written, only under it. POSIX byte-range locks (``fcntl``) on byte ``c`` of the same file are build
+workers' claims on chunk ``c`` (Linux keeps the two kinds of lock independent); the kernel drops both when a
+holder dies.
 
 ``users``: empty. Every process using the cache holds ``flock(LOCK_SH)`` on it; a process that can take
 ``LOCK_EX`` is the last user (used by ``delete_on_close`` and by ``rm`` to refuse caches in use).
 
+Reserved: ``mode`` other than ``"cache"`` (``"stream"``: a ring of rows holding positions of an epoch's order,
+keyed by sequence number in ``keys.i64``) and a non-null ``share`` (a node's share of the indices) are defined
+by later releases of this version (see ``docs/design/format-v2.md``); this release refuses them with an error
+asking for a newer mmapcache. Readers of this release trust ``keys.i64`` only in ``verify``: in mode "cache" a
+row's key is always its slot's index.
+
 Format history
 --------------
-1: first version (this document).
+1: first version. No heaps, keys or modes; str, bytes, lists and tensor subclasses refused.
+2: ragged fields in heaps; str, bytes, pylist and json kinds; tensor subclasses (``class``, ``metadata``);
+   ``keys.i64``, ``heaps.u64``, ``mode``, ``share``, ``heap_budget``. A version-1 cache is refused with a message
+   to rebuild it (a cache is derived data; reading both would double the read path).
 """
 
 from __future__ import annotations
@@ -76,11 +115,12 @@ import re
 from typing import Any
 
 from ._files import open_file
-from ._layout import KINDS, Layout, fold
+from ._layout import BYTE_KINDS, JSON, KINDS, Layout, fold
 from .errors import CacheFormatError
 
 MAGIC = "mmapcache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+MODES = ("cache",)
 
 META = "meta.json"
 FILLED = "filled.bits"
@@ -89,6 +129,8 @@ SEQ = "seq.u32"
 LOCK = "lock"
 USERS = "users"
 SLOT_INDEX = "slot_index.npy"
+KEYS = "keys.i64"
+HEAPS = "heaps.u64"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}$")
 
@@ -98,18 +140,22 @@ def is_cache(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, META))
 
 
-def field_files(layout: Layout) -> list[tuple[str, str | None]]:
-    """The data file and shape file name of each field: ``<name>.npy`` when the name is a safe, unique file
-    name, else ``field-<n>.npy``."""
-    taken = {SLOT_INDEX}
+def field_files(layout: Layout) -> list[dict[str, str | None]]:
+    """The files of each field: ``file`` and ``shape_file`` (fixed fields), ``heap`` and ``index_file`` (ragged
+    ones), named ``<name>.*`` when the name is a safe, unique file name, else ``field-<n>.*``."""
+    taken = {SLOT_INDEX, KEYS, HEAPS}
     files = []
     for n, field in enumerate(layout.fields):
-        stem = field.name if _SAFE_NAME.match(field.name) else f"field-{n}"
-        if f"{stem}.npy" in taken or f"{stem}.shape.npy" in taken:
-            stem = f"field-{n}"
-        data, shape = f"{stem}.npy", f"{stem}.shape.npy" if field.variable else None
-        taken.update({data, shape or data})
-        files.append((data, shape))
+        def names(stem: str, field: Any = field) -> dict[str, str | None]:
+            if field.ragged:
+                return {"file": None, "shape_file": None, "heap": f"{stem}.heap", "index_file": f"{stem}.index.npy"}
+            return {"file": f"{stem}.npy", "shape_file": f"{stem}.shape.npy" if field.variable else None,
+                    "heap": None, "index_file": None}
+        chosen = names(field.name if _SAFE_NAME.match(field.name) else f"field-{n}")
+        if any(name in taken for name in chosen.values() if name):
+            chosen = names(f"field-{n}")
+        taken.update(name for name in chosen.values() if name)
+        files.append(chosen)
     return files
 
 
@@ -123,15 +169,16 @@ def make_meta(
     fingerprint: str | None,
     delete_on_close: bool,
     library_version: str,
+    heap_budget: int | None = None,
 ) -> dict[str, Any]:
-    fields = []
-    for field, (data, shape) in zip(layout.fields, field_files(layout)):
-        fields.append({**field.to_json(), "file": data, "shape_file": shape})
+    fields = [{**field.to_json(), **files} for field, files in zip(layout.fields, field_files(layout))]
     return {
         "magic": MAGIC,
         "format_version": FORMAT_VERSION,
         "library_version": library_version,
         "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "mode": "cache",
+        "share": None,
         "length": length,
         "slots": slots,
         "variants": variants,
@@ -139,6 +186,7 @@ def make_meta(
         "slot_index": SLOT_INDEX if has_slot_index else None,
         "fingerprint": fingerprint,
         "delete_on_close": delete_on_close,
+        "heap_budget": heap_budget,
         "structure": layout.structure,
         "fields": fields,
     }
@@ -179,6 +227,12 @@ def read_meta(directory: str) -> dict[str, Any]:
         found = meta.get("magic") if isinstance(meta, dict) else type(meta).__name__
         raise CacheFormatError(f"{path}: magic is {found!r}, expected {MAGIC!r}: this is not an mmapcache cache; {fix}")
     version = meta.get("format_version")
+    if version == 1:
+        raise CacheFormatError(
+            f"{path}: format version 1, written by an older mmapcache; this mmapcache reads version {FORMAT_VERSION}. "
+            f"A cache is derived data: rebuild it (`mmapcache rm --force {directory}`, then open it with its source "
+            "dataset or run `mmapcache build`)"
+        )
     if version != FORMAT_VERSION:
         raise CacheFormatError(
             f"{path}: format version {version!r}, this mmapcache reads version {FORMAT_VERSION}; upgrade mmapcache "
@@ -192,6 +246,11 @@ def read_meta(directory: str) -> dict[str, Any]:
 
 
 def _check_meta(meta: dict[str, Any]) -> None:
+    if meta["mode"] not in MODES or meta["share"] is not None:
+        what = f"mode {meta['mode']!r}" if meta["mode"] not in MODES else "a node share"
+        raise ValueError(f"the cache uses {what}, which this mmapcache does not read; upgrade mmapcache")
+    if meta["heap_budget"] is not None and (not isinstance(meta["heap_budget"], int) or meta["heap_budget"] < 0):
+        raise ValueError(f"heap_budget must be null or a non-negative integer, found {meta['heap_budget']!r}")
     for key in ("length", "slots", "variants", "rows"):
         if not isinstance(meta[key], int) or meta[key] < 0:
             raise ValueError(f"{key!r} must be a non-negative integer, found {meta[key]!r}")
@@ -201,21 +260,30 @@ def _check_meta(meta: dict[str, Any]) -> None:
     layout = Layout.from_json(meta)
     if len(layout.fields) != len(meta["fields"]) or not layout.fields:
         raise ValueError("no fields")
-    for field in layout.fields:
+    metadata = [f.metadata for f in layout.fields if f.metadata is not None]
+    for number, field in enumerate(layout.fields):
         # Readers rebuild samples from these: an unknown kind or an object dtype would fail later, mid-read.
-        if field.kind not in KINDS or field.np_dtype.hasobject or any(d < 0 for d in field.shape):
+        if field.kind not in KINDS or field.np_dtype.hasobject or any(d < (-1 if field.ragged else 0)
+                                                                      for d in field.shape):
             raise ValueError(f"field {field.name!r}: bad kind {field.kind!r}, dtype {field.dtype!r} or shape "
                              f"{field.shape}")
+        if field.ragged == bool(meta["fields"][number]["file"]) or (field.kind in BYTE_KINDS and not field.ragged):
+            raise ValueError(f"field {field.name!r}: ragged {field.ragged} does not match its files")
+        if field.metadata is not None and not (
+                type(field.metadata) is int and 0 <= field.metadata < len(layout.fields)
+                and layout.fields[field.metadata].kind == JSON and field.tensor_class is not None):
+            raise ValueError(f"field {field.name!r}: bad metadata field {field.metadata!r}")
     leaves = _structure_leaves(meta["structure"])
-    if sorted(leaves) != list(range(len(layout.fields))):
-        raise ValueError(f"the structure's leaves {sorted(leaves)} do not match the {len(layout.fields)} fields")
-    used = dict.fromkeys((META, FILLED, STALE, SEQ, LOCK, USERS), "a state file")
+    if sorted(leaves + metadata) != list(range(len(layout.fields))):
+        raise ValueError(f"the structure's leaves {sorted(leaves)} and metadata fields {metadata} do not match the "
+                         f"{len(layout.fields)} fields")
+    used = dict.fromkeys((META, FILLED, STALE, SEQ, LOCK, USERS, KEYS, HEAPS), "a state file")
     if meta["slot_index"] is not None:
         if meta["slot_index"] != SLOT_INDEX:
             raise ValueError(f"slot_index names {meta['slot_index']!r}, expected {SLOT_INDEX!r}")
         used[SLOT_INDEX] = "the slot index"
     for field in meta["fields"]:
-        for key in ("file", "shape_file"):
+        for key in ("file", "shape_file", "heap", "index_file"):
             name = field[key]
             if name is not None and (not isinstance(name, str) or "/" in name or name.startswith(".")):
                 raise ValueError(f"field {field['name']!r}: bad file name {name!r}")

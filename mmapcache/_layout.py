@@ -1,9 +1,16 @@
 """Sample layout: flattening nested samples into typed leaf fields and rebuilding them.
 
-A sample is a tree of containers (tuple, list, dict with str keys, namedtuple) whose leaves are tensors, numpy
-arrays, Python scalars or numpy scalars. Flattening yields one *field* per leaf, named by its *field path*: the
-dict keys and sequence positions joined with ``.`` (``"image"``, ``"0"``, ``"meta.2"``). The container tree (the
-*structure*) and the list of fields (path, kind, dtype, shape) are the layout, stored in ``meta.json``.
+A sample is a tree of containers (tuple, list, dict with str keys, namedtuple) whose leaves are tensors (tensor
+subclasses such as torchvision's ``tv_tensors`` included), numpy arrays, Python or numpy scalars, ``str``,
+``bytes``, and Python lists of numbers (nested or not: Hugging Face's default format), which are one leaf each.
+Flattening yields one *field* per leaf, named by its *field path*: the dict keys and sequence positions joined
+with ``.`` (``"image"``, ``"0"``, ``"meta.2"``). The container tree (the *structure*) and the list of fields (path,
+kind, dtype, shape) are the layout, stored in ``meta.json``.
+
+A field is *ragged* when its shape varies between samples (in any dimension; the number of dimensions is fixed):
+its varying dimensions are ``-1`` in ``shape`` and its values live in a heap (``_heap``). ``str`` and ``bytes``
+fields are always ragged. A tensor subclass's per-sample attributes (``format``, ``canvas_size``) are a *metadata
+field* of its own, kind ``json``, appended after the structure's fields and named ``<path>#meta``.
 
 A sample needs at least one leaf, containers nest at most ``MAX_DEPTH`` (64) deep, and no two leaves may share a
 field path (a key ``"a.b"`` beside a key ``"a"`` holding ``{"b": ...}``). ``fold`` is the one walker over a
@@ -15,9 +22,13 @@ This module speaks numpy only; torch is imported lazily, when a torch tensor is 
 
 from __future__ import annotations
 
+import enum
+import itertools
+import json
+import math
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -26,7 +37,16 @@ from .errors import LayoutError
 
 # Kinds of leaf. A kind decides how a stored value is turned back into what the source returned.
 TENSOR, NDARRAY, INT, FLOAT, BOOL, NPSCALAR = "tensor", "ndarray", "int", "float", "bool", "numpy_scalar"
-KINDS = (TENSOR, NDARRAY, INT, FLOAT, BOOL, NPSCALAR)
+STR, BYTES, PYLIST, JSON = "str", "bytes", "pylist", "json"
+NPSTR, NPBYTES = "numpy_str", "numpy_bytes"  # numpy.str_ / numpy.bytes_ (Hugging Face's numpy format gives them)
+KINDS = (TENSOR, NDARRAY, INT, FLOAT, BOOL, NPSCALAR, STR, BYTES, PYLIST, JSON, NPSTR, NPBYTES)
+# Kinds stored as UTF-8 / raw bytes in a heap, always ragged.
+BYTE_KINDS = (STR, BYTES, JSON, NPSTR, NPBYTES)
+TEXT_KINDS = (STR, BYTES, NPSTR, NPBYTES)
+
+# A layout of more fields than this is refused before anything is created: it is almost always a sample whose
+# arrays arrived as Python containers of arrays (one file per field would exhaust open files).
+MAX_FIELDS = 256
 
 # Containers may nest this deep (the outermost container is level 1). Far more than real samples use, and far
 # less than Python's recursion limit, so every walker here and in ``_codec`` stays a plain recursion.
@@ -36,9 +56,6 @@ MAX_DEPTH = 64
 _RAW_BY_ITEMSIZE = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 _HINTS = {
-    "str": "encode text as a tensor of token ids or bytes (numpy.frombuffer(s.encode(), numpy.uint8)) in the "
-           "wrapped dataset",
-    "bytes": "convert bytes with numpy.frombuffer(b, numpy.uint8) in the wrapped dataset",
     "NoneType": "return a tensor or a number instead of None (e.g. -1 or a mask field)",
     "Image": "convert PIL images with torchvision.transforms.PILToTensor() or numpy.asarray(img) in the wrapped "
              "dataset",
@@ -53,9 +70,13 @@ class Field:
         name: the field path, e.g. ``"0"`` or ``"meta.2"``.
         kind: one of ``KINDS``: what the leaf is rebuilt as.
         dtype: the numpy storage dtype, as ``numpy.dtype.str`` (``"<f4"``, ``"|u1"``).
-        shape: the shape of one stored value; for a variable field, its declared maximum shape.
+        shape: the shape of one stored value; for a variable field, its declared maximum shape; for a ragged
+            field, ``-1`` in each dimension that varies.
         torch_dtype: the torch dtype name for tensors (``"bfloat16"``), else None.
         variable: True if each sample's actual shape is stored beside the data (declared via ``max_shapes``).
+        ragged: True if the values are packed in a heap with a per-row offset and shape (see ``_heap``).
+        tensor_class: ``(module, qualname)`` of a ``torch.Tensor`` subclass the value is rebuilt as, else None.
+        metadata: the number of the field holding a tensor subclass's per-sample attributes, else None.
     """
 
     name: str
@@ -64,6 +85,9 @@ class Field:
     shape: tuple[int, ...]
     torch_dtype: str | None = None
     variable: bool = False
+    ragged: bool = False
+    tensor_class: tuple[str, str] | None = None
+    metadata: int | None = None
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -71,7 +95,8 @@ class Field:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.np_dtype.itemsize
+        """Bytes of one value in a fixed-size row (0 for a ragged field, whose values are in its heap)."""
+        return 0 if self.ragged else math.prod(self.shape) * self.np_dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -81,10 +106,14 @@ class Field:
             "shape": list(self.shape),
             "torch_dtype": self.torch_dtype,
             "variable": self.variable,
+            "ragged": self.ragged,
+            "class": None if self.tensor_class is None else list(self.tensor_class),
+            "metadata": self.metadata,
         }
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Field:
+        tensor_class = obj.get("class")
         return cls(
             name=str(obj["name"]),
             kind=str(obj["kind"]),
@@ -92,13 +121,27 @@ class Field:
             shape=tuple(int(d) for d in obj["shape"]),
             torch_dtype=obj.get("torch_dtype"),
             variable=bool(obj.get("variable", False)),
+            ragged=bool(obj.get("ragged", False)),
+            tensor_class=None if tensor_class is None else (str(tensor_class[0]), str(tensor_class[1])),
+            metadata=obj.get("metadata"),
         )
 
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether a value of ``shape`` can be stored in this field."""
+        if self.ragged:
+            return len(shape) == len(self.shape) and all(m < 0 or s == m for s, m in zip(shape, self.shape))
+        if self.variable:
+            return len(shape) == len(self.shape) and all(s <= m for s, m in zip(shape, self.shape))
+        return shape == self.shape
+
     def describe(self) -> str:
-        shape = "x".join(str(d) for d in self.shape) or "scalar"
+        shape = "x".join("*" if d < 0 else str(d) for d in self.shape) or "scalar"
         dtype = self.torch_dtype or np.dtype(self.dtype).name
+        if self.kind in BYTE_KINDS:
+            return f"{self.kind} (ragged)"
         prefix = "<=" if self.variable else ""
-        return f"{self.kind} {dtype} {prefix}{shape}"
+        kind = self.tensor_class[1] if self.tensor_class else self.kind
+        return f"{kind} {dtype} {prefix}{shape}{' (ragged)' if self.ragged else ''}"
 
 
 # --- flattening ------------------------------------------------------------------------------------------------
@@ -106,10 +149,14 @@ class Field:
 
 @dataclass(frozen=True)
 class Leaf:
-    """A flattened leaf: the field it would be stored as (shape = its actual shape) and its value as numpy."""
+    """A flattened leaf: the field it would be stored as (shape = its actual shape) and its value as numpy.
+
+    ``meta`` is a tensor subclass's per-sample attributes, JSON-encoded (``flatten`` turns it into a metadata
+    field of its own)."""
 
     field: Field
     value: np.ndarray
+    meta: np.ndarray | None = None
 
 
 def _is_namedtuple(obj: Any) -> bool:
@@ -121,7 +168,8 @@ def _join(prefix: str, key: str) -> str:
 
 
 def flatten(sample: Any) -> tuple[Any, list[Leaf]]:
-    """Splits a sample into its structure (JSON-able) and its leaves, in field order.
+    """Splits a sample into its structure (JSON-able) and its leaves, in field order: the structure's leaves,
+    then one metadata leaf per tensor subclass leaf.
 
     This walks the source's objects, not a structure tree, so it is the one walker ``fold`` does not express.
 
@@ -131,10 +179,21 @@ def flatten(sample: Any) -> tuple[Any, list[Leaf]]:
     """
     leaves: list[Leaf] = []
     structure = _flatten(sample, "", leaves, 0)
+    for number in range(len(leaves)):
+        leaf = leaves[number]
+        if leaf.meta is not None:
+            meta_field = Field(f"{leaf.field.name}#meta", JSON, "|u1", (-1,), ragged=True)
+            leaves[number] = Leaf(replace(leaf.field, metadata=len(leaves)), leaf.value)
+            leaves.append(Leaf(meta_field, leaf.meta))
     return structure, leaves
 
 
 def _flatten(obj: Any, path: str, leaves: list[Leaf], depth: int) -> Any:
+    if type(obj) is list:
+        numbers = number_list(obj)
+        if numbers is not None:  # one array field, not one field per number (Hugging Face's python format)
+            leaves.append(Leaf(Field(path or "<sample>", PYLIST, numbers.dtype.str, numbers.shape), numbers))
+            return {"leaf": len(leaves) - 1}
     if isinstance(obj, (tuple, list, dict)):
         depth += 1
         if depth > MAX_DEPTH:
@@ -160,6 +219,36 @@ def _flatten(obj: Any, path: str, leaves: list[Leaf], depth: int) -> Any:
     return {"leaf": len(leaves) - 1}
 
 
+def number_list(obj: list) -> np.ndarray | None:
+    """A regular (nested) list of Python numbers of one type as one array, else None (a container of fields).
+
+    ``[]`` is an empty float64 array (its type cannot be known). Lists mixing types (ints and floats), big ints that do not fit int64, ragged nesting and anything but numbers are not arrays.
+    """
+    probe: Any = obj
+    while type(probe) is list and probe:
+        probe = probe[0]
+    if type(probe) is list:
+        numbers_type: Any = np.float64
+    elif type(probe) in (int, float, bool):
+        numbers_type = None
+    else:
+        return None
+    try:
+        array = np.asarray(obj, dtype=numbers_type)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if array.dtype.kind not in "bif" or array.dtype.hasobject:
+        return None
+    if array.dtype.kind != "b" and array.size:
+        # numpy promotes [1, 2.5, True] to floats: such a list would come back changed, so it stays a container.
+        flat: Any = obj
+        for _ in range(array.ndim - 1):
+            flat = itertools.chain.from_iterable(flat)
+        if len(set(map(type, flat))) != 1:
+            return None
+    return array
+
+
 def _too_deep(path: str) -> str:
     shown = path if len(path) <= 80 else path[:80] + "..."
     return (f"field {shown or '<sample>'!r}: containers nested deeper than {MAX_DEPTH} levels (the limit, which also "
@@ -176,6 +265,12 @@ def _leaf(obj: Any, path: str) -> Leaf:
         return Leaf(Field(path, INT, "<i8", ()), np.asarray(obj, dtype=np.int64))
     if isinstance(obj, float) and not isinstance(obj, np.generic):  # numpy.float64 subclasses float: keep its type
         return Leaf(Field(path, FLOAT, "<f8", ()), np.asarray(obj, dtype=np.float64))
+    if isinstance(obj, str):
+        kind = NPSTR if isinstance(obj, np.str_) else STR
+        return Leaf(Field(path, kind, "|u1", (-1,), ragged=True), np.frombuffer(obj.encode(), np.uint8))
+    if isinstance(obj, bytes):
+        kind = NPBYTES if isinstance(obj, np.bytes_) else BYTES
+        return Leaf(Field(path, kind, "|u1", (-1,), ragged=True), np.frombuffer(obj, np.uint8))
     if isinstance(obj, np.ndarray):
         _check_numpy_dtype(obj.dtype, path, "numpy array")
         return Leaf(Field(path, NDARRAY, obj.dtype.str, obj.shape), obj)
@@ -188,8 +283,60 @@ def _leaf(obj: Any, path: str) -> Leaf:
         if isinstance(obj, torch.Tensor):
             return _tensor_leaf(obj, path)
     name = type(obj).__name__
-    hint = _HINTS.get(name, "return tensors, numpy arrays or numbers (nested in tuple, list, dict or namedtuple)")
+    hint = _HINTS.get(name, "return tensors, numpy arrays, numbers, str or bytes (nested in tuple, list, dict or "
+                            "namedtuple)")
     raise LayoutError(f"field {path!r}: unsupported leaf type {type(obj).__module__}.{name}; {hint}")
+
+
+# --- tensor subclasses -----------------------------------------------------------------------------------------
+
+
+def class_path(cls: type) -> tuple[str, str]:
+    """``(module, qualname)`` of a class that can be found again by name, else a LayoutError naming the fix."""
+    module, qualname = cls.__module__, cls.__qualname__
+    if find_class(module, qualname) is not cls:
+        raise LayoutError(
+            f"the tensor subclass {module}.{qualname} cannot be found by its name (defined inside a function, or "
+            "replaced); define it at the top level of a module, or return a plain tensor "
+            "(tensor.as_subclass(torch.Tensor))"
+        )
+    return module, qualname
+
+
+def find_class(module: str, qualname: str) -> Any:
+    """The object named ``module.qualname`` among already imported modules, else None. Never imports: a cache
+    must not be able to make its reader run a module's code."""
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        if obj is None or part == "<locals>":
+            return None
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def encode_metadata(attrs: dict[str, Any], path: str, cls: type) -> np.ndarray:
+    """A tensor subclass's instance attributes as compact JSON bytes (see ``_format`` for the tags)."""
+    def encode(value: Any, attr: str) -> Any:
+        if value is None or type(value) in (bool, int, float, str):
+            return value
+        if isinstance(value, enum.Enum):
+            kind = type(value)
+            return {"enum": [*class_path(kind), value.name]}
+        if isinstance(value, tuple):
+            return {"tuple": [encode(v, attr) for v in value]}
+        if type(value) is list:
+            return [encode(v, attr) for v in value]
+        if type(value) is dict and all(type(k) is str for k in value):
+            return {"dict": {k: encode(v, attr) for k, v in value.items()}}
+        raise LayoutError(
+            f"field {path!r}: attribute {attr!r} of the {cls.__qualname__} tensor is a {type(value).__module__}."
+            f"{type(value).__qualname__}, which the cache cannot store (it keeps tensor attributes as JSON: None, "
+            "bool, int, float, str, tuple, list, dict with str keys, Enum members; nothing is pickled); convert it "
+            "in the wrapped dataset, or return a plain tensor (tensor.as_subclass(torch.Tensor))"
+        )
+
+    encoded = {name: encode(value, name) for name, value in attrs.items()}
+    return np.frombuffer(json.dumps(encoded, separators=(",", ":")).encode(), np.uint8)
 
 
 def _check_numpy_dtype(dtype: np.dtype, path: str, what: str) -> None:
@@ -213,6 +360,12 @@ def _tensor_leaf(tensor: Any, path: str) -> Leaf:
         fix = ".dequantize()" if tensor.is_quantized else ".to_dense()"
         what = f"quantized ({tensor.dtype})" if tensor.is_quantized else str(tensor.layout)
         raise LayoutError(f"field {path!r}: {what} tensor cannot be cached; convert it with {fix}")
+    tensor_class, meta = None, None
+    cls = type(tensor)
+    if cls is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+        tensor_class = class_path(cls)
+        meta = encode_metadata(dict(vars(tensor)), path, cls)
+        tensor = tensor.as_subclass(torch.Tensor)
     tensor = tensor.detach().resolve_conj().resolve_neg()
     torch_dtype = str(tensor.dtype).removeprefix("torch.")
     try:
@@ -220,8 +373,10 @@ def _tensor_leaf(tensor: Any, path: str) -> Leaf:
     except TypeError:
         raw = _RAW_BY_ITEMSIZE[tensor.element_size()]
         value = tensor.contiguous().view(getattr(torch, "uint" + str(8 * tensor.element_size()))).numpy()
-        return Leaf(Field(path, TENSOR, raw, tuple(tensor.shape), torch_dtype), value)
-    return Leaf(Field(path, TENSOR, value.dtype.str, tuple(tensor.shape), torch_dtype), value)
+        return Leaf(Field(path, TENSOR, raw, tuple(tensor.shape), torch_dtype, tensor_class=tensor_class), value,
+                    meta)
+    return Leaf(Field(path, TENSOR, value.dtype.str, tuple(tensor.shape), torch_dtype, tensor_class=tensor_class),
+                value, meta)
 
 
 # --- the layout of a cache -------------------------------------------------------------------------------------
@@ -246,33 +401,77 @@ class Layout:
     def from_json(cls, obj: dict[str, Any]) -> Layout:
         return cls(structure=obj["structure"], fields=tuple(Field.from_json(f) for f in obj["fields"]))
 
+    @property
+    def ragged(self) -> tuple[Field, ...]:
+        return tuple(f for f in self.fields if f.ragged)
+
     @classmethod
     def from_sample(cls, sample: Any, max_shapes: dict[str, Sequence[int]] | None = None) -> Layout:
-        """The layout of a first sample, with the fields named in ``max_shapes`` made variable.
+        """The layout of one sample (see ``from_samples``)."""
+        return cls.from_samples([sample], max_shapes)
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[Any], max_shapes: dict[str, Sequence[int]] | None = None,
+                     ragged: Iterable[str] | None = None) -> Layout:
+        """The layout of a first sample, with the shapes of the others (probes) deciding which fields are ragged.
+
+        A field is ragged if it is named in ``ragged``, is ``str``/``bytes``, or its shape differs among the
+        samples; fields named in ``max_shapes`` are instead stored in fixed rows of that maximum shape. Probes
+        whose structure differs from the first sample's are ignored here (storing them fails with the usual
+        explanation).
 
         Raises:
-            LayoutError: the sample has no leaves, two leaves share a field path, or as ``flatten``.
+            LayoutError: the sample has no leaves, two leaves share a field path, more than ``MAX_FIELDS``
+                fields, an option names an unknown or unsuitable field, or as ``flatten``.
         """
-        structure, leaves = flatten(sample)
+        structure, leaves = flatten(samples[0])
         if not leaves:
             raise LayoutError(
                 f"a sample needs at least one field (a tensor, array or number); the first sample is "
                 f"{describe_structure(structure)} with none: return at least one value from the wrapped dataset"
             )
+        if len(leaves) > MAX_FIELDS:
+            raise LayoutError(
+                f"the sample has {len(leaves)} fields (the limit is {MAX_FIELDS}; the first are "
+                f"{', '.join(repr(leaf.field.name) for leaf in leaves[:4])}, ...): its arrays arrive as containers of "
+                "many separate values. Return arrays or tensors instead: for a Hugging Face dataset, "
+                "dataset.with_format('torch') or dataset.with_format('numpy'); otherwise stack the values into a "
+                "tensor in the wrapped dataset"
+            )
         _check_unique_names(structure, leaves)
+        seen: list[set[tuple[int, ...]]] = [{leaf.field.shape} for leaf in leaves]
+        for other in samples[1:]:
+            try:
+                other_structure, other_leaves = flatten(other)
+            except LayoutError:
+                continue
+            if other_structure == structure and len(other_leaves) == len(leaves):
+                for shapes, leaf in zip(seen, other_leaves):
+                    shapes.add(leaf.field.shape)
         max_shapes = dict(max_shapes or {})
+        declared = set(ragged or ())
+        names = {leaf.field.name for leaf in leaves}
+        unknown = sorted((set(max_shapes) | declared) - names)
+        if unknown:
+            known = ", ".join(repr(leaf.field.name) for leaf in leaves)
+            option = "max_shapes" if set(unknown) & set(max_shapes) else "ragged"
+            raise LayoutError(f"{option} names unknown field(s) {unknown}; the sample's fields are {known}")
+        both = sorted(declared & set(max_shapes))
+        if both:
+            raise LayoutError(f"field(s) {both} are named in both max_shapes and ragged; choose one (ragged packs "
+                              "values of any size; max_shapes reserves the maximum in every row)")
         fields = []
-        for leaf in leaves:
+        for leaf, shapes in zip(leaves, seen):
             field = leaf.field
             if field.name in max_shapes:
-                limit = tuple(int(d) for d in max_shapes.pop(field.name))
+                limit = tuple(int(d) for d in max_shapes[field.name])
                 _check_fits(field, limit, field.shape, None)
-                field = Field(field.name, field.kind, field.dtype, limit, field.torch_dtype, variable=True)
+                field = replace(field, shape=limit, variable=True)
+            elif field.name in declared or (len(shapes) > 1 and not field.ragged):
+                field = _ragged_field(field, shapes, field.name in declared)
+            elif field.kind == PYLIST and len(field.shape) == 1:
+                field = _ragged_field(field, shapes, True)  # a list of numbers: token ids, as often as not
             fields.append(field)
-        if max_shapes:
-            known = ", ".join(repr(leaf.field.name) for leaf in leaves)
-            raise LayoutError(f"max_shapes names unknown field(s) {sorted(max_shapes)}; the sample's fields are "
-                              f"{known}")
         return cls(structure, tuple(fields))
 
     def check(self, sample: Any, index: int) -> list[np.ndarray]:
@@ -285,7 +484,7 @@ class Layout:
             structure, leaves = flatten(sample)
         except LayoutError as exc:
             raise LayoutError(f"sample {index}: {exc}") from None
-        if structure != self.structure:
+        if structure != self.structure or len(leaves) != len(self.fields):
             raise LayoutError(
                 f"sample {index} has a different structure from the cache's first sample: expected "
                 f"{describe_structure(self.structure)}, found {describe_structure(structure)}; every sample must "
@@ -293,30 +492,59 @@ class Layout:
             )
         values = []
         for field, leaf in zip(self.fields, leaves):
-            found = leaf.field
-            if (found.kind, found.dtype, found.torch_dtype) != (field.kind, field.dtype, field.torch_dtype):
+            found, value = leaf.field, leaf.value
+            if field.kind == PYLIST and found.kind == PYLIST and value.size == 0 and len(found.shape) == len(
+                    field.shape):
+                value = value.astype(field.np_dtype)  # an empty list has no type of its own
+                found = replace(found, dtype=field.dtype)
+            if (found.kind, found.dtype, found.torch_dtype, found.tensor_class) != (
+                    field.kind, field.dtype, field.torch_dtype, field.tensor_class):
+                def what(f: Field) -> str:
+                    kind = f"{f.tensor_class[0]}.{f.tensor_class[1]}" if f.tensor_class else f.kind
+                    return f"{kind} of dtype {f.torch_dtype or f.dtype}"
                 raise LayoutError(
-                    f"sample {index}, field {field.name!r}: expected {field.kind} of dtype "
-                    f"{field.torch_dtype or field.dtype}, found {found.kind} of dtype "
-                    f"{found.torch_dtype or found.dtype}; "
+                    f"sample {index}, field {field.name!r}: expected {what(field)}, found {what(found)}; "
                     "make the wrapped dataset return the same types for every index"
                 )
             if field.variable:
                 _check_fits(field, field.shape, found.shape, index)
-            elif found.shape != field.shape:
-                largest = tuple(max(a, b) for a, b in zip(field.shape, found.shape))
-                hint = (
-                    "if this field's shape varies, declare its largest shape: "
-                    f"max_shapes={{{field.name!r}: {largest}}} "
-                    "(the largest seen so far)"
-                    if len(found.shape) == len(field.shape)
-                    else "every sample must have the same number of dimensions in each field"
-                )
-                raise LayoutError(
-                    f"sample {index}, field {field.name!r}: expected shape {field.shape}, found {found.shape}; {hint}"
-                )
-            values.append(leaf.value)
+            elif not field.fits(found.shape):
+                raise LayoutError(_shape_message(field, found.shape, index))
+            values.append(value)
         return values
+
+
+def _ragged_field(field: Field, shapes: set[tuple[int, ...]], declared: bool) -> Field:
+    if not field.shape and field.kind not in (TENSOR, NDARRAY, PYLIST):
+        raise LayoutError(f"field {field.name!r} is a {field.kind}, which has no shape; only arrays, tensors and "
+                          "lists can be ragged: remove it from ragged=")
+    ndims = {len(s) for s in shapes}
+    if len(ndims) > 1:
+        raise LayoutError(
+            f"field {field.name!r} has shapes with different numbers of dimensions ({sorted(shapes)}); a ragged "
+            "field may vary in size but not in number of dimensions: reshape its values in the wrapped dataset"
+        )
+    if declared or not field.shape:
+        shape = tuple(-1 for _ in field.shape)
+    else:
+        shape = tuple(-1 if len({s[d] for s in shapes}) > 1 else field.shape[d] for d in range(len(field.shape)))
+    return replace(field, shape=shape, ragged=True)
+
+
+def _shape_message(field: Field, found: tuple[int, ...], index: int) -> str:
+    if field.ragged:
+        return (f"sample {index}, field {field.name!r}: shape {found} does not fit the field's shape "
+                f"{tuple('*' if d < 0 else d for d in field.shape)} (* varies); its other dimensions and the number of "
+                f"dimensions must stay the same: declare the field ragged=[{field.name!r}] in a new cache "
+                "(overwrite=True replaces this one) to let every dimension vary")
+    if len(found) != len(field.shape):
+        return (f"sample {index}, field {field.name!r}: expected shape {field.shape}, found {found}; every sample "
+                "must have the same number of dimensions in each field")
+    return (f"sample {index}, field {field.name!r}: expected shape {field.shape}, found {found}: the field's shape "
+            f"varies, and the cache stores it in fixed rows of the first sample's shape. Declare it "
+            f"ragged=[{field.name!r}] (values packed at their own size; or ragged='auto' to find every such field "
+            f"from a few samples) or max_shapes={{{field.name!r}: ...}} (fixed rows of a maximum shape) in a new "
+            "cache: pass overwrite=True with the option, or remove this cache (`mmapcache rm PATH`) first")
 
 
 def _check_unique_names(structure: Any, leaves: list[Leaf]) -> None:

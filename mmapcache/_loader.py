@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import sys
 import types
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
+from .collate import PadCollate
 from .errors import WorkerStartError
 
 
@@ -26,7 +28,7 @@ class BatchReader(Protocol):
     @property
     def reads_batches(self) -> bool: ...
 
-    def read_batch(self, indices: Sequence[int] | np.ndarray, epoch: int | None = None) -> Any: ...
+    def read_batch(self, indices: Sequence[int] | np.ndarray, epoch: int | None = None, pad: Any = None) -> Any: ...
 
     def __len__(self) -> int: ...
 
@@ -36,7 +38,9 @@ _BATCHING = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "
 
 def make_loader(ds: BatchReader, **kwargs: Any) -> DataLoader:
     _check_workers_can_import(ds, kwargs)
-    if kwargs.get("collate_fn") is not None or not ds.reads_batches:
+    collate = kwargs.get("collate_fn")
+    pad = collate if isinstance(collate, PadCollate) else None  # fused into the gather: pads from the heaps
+    if (collate is not None and pad is None) or not ds.reads_batches:
         return DataLoader(ds, **kwargs)  # type: ignore[arg-type]
     batch_size = kwargs.pop("batch_size", 1)
     shuffle = kwargs.pop("shuffle", False)
@@ -62,7 +66,7 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> DataLoader:
     # The generator also goes to the outer DataLoader: it draws the workers' base seed from it before the sampler
     # draws the permutation, exactly as DataLoader(ds, generator=...) does, so both shuffle alike.
     return DataLoader(
-        _Batches(ds), batch_size=None, sampler=_EpochBatches(batch_sampler, ds), collate_fn=_identity,
+        _Batches(ds, pad), batch_size=None, sampler=_EpochBatches(batch_sampler, ds), collate_fn=_identity,
         generator=generator, **kwargs
     )
 
@@ -135,12 +139,13 @@ class _EpochBatches(Sampler):
 class _Batches(Dataset):
     """Maps ``(epoch, indices)`` to the collated batch."""
 
-    def __init__(self, ds: BatchReader) -> None:
+    def __init__(self, ds: BatchReader, pad: PadCollate | None = None) -> None:
         self.ds = ds
+        self.pad = pad
 
     def __getitem__(self, key: tuple[int, list[int]]) -> Any:
         epoch, indices = key
-        return self.ds.read_batch(indices, epoch)
+        return self.ds.read_batch(indices, epoch, self.pad)
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -150,6 +155,6 @@ def alloc_shared(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A numpy array over a fresh shared-memory tensor storage: a worker's batch then crosses to the main process
     without the copy that sending an ordinary tensor costs (torch's default collate does the same)."""
     tensor = torch.from_numpy(np.empty(0, dtype))
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     storage = tensor.untyped_storage()._new_shared(count * dtype.itemsize)
     return tensor.new(storage).view(-1)[:count].view(shape).numpy() if count else np.empty(shape, dtype)

@@ -31,7 +31,8 @@ import numpy as np
 
 from . import _admin, _create
 from ._codec import differing_field
-from ._layout import Layout
+from ._create import plan_bytes
+from ._layout import Layout, flatten
 from ._options import CreateOptions
 from ._reader import RowReader
 from ._rows import RowMap
@@ -71,7 +72,7 @@ class Request:
 
     path: str
     fingerprint: str | None = None
-    options: CreateOptions = dataclasses.field(default_factory=lambda: CreateOptions(None, None, None, None))
+    options: CreateOptions = dataclasses.field(default_factory=lambda: CreateOptions(None, None, None, None, None))
     overwrite: bool = False
     delete_on_close: bool = False
     variant_choice: str = "epoch"
@@ -83,7 +84,8 @@ def identity(store: Store) -> dict[str, Any]:
     creation time: a cache removed and built again from the same source serves the same samples)."""
     meta = store.meta
     ident = {key: meta[key] for key in ("length", "slots", "variants", "fingerprint", "structure")}
-    ident["fields"] = [{k: v for k, v in f.items() if k not in ("file", "shape_file")} for f in meta["fields"]]
+    files = ("file", "shape_file", "heap", "index_file")
+    ident["fields"] = [{k: v for k, v in f.items() if k not in files} for f in meta["fields"]]
     ident["slot_index"] = None if store.slot_index is None else \
         hashlib.sha256(np.ascontiguousarray(store.slot_index).tobytes()).hexdigest()
     return ident
@@ -160,32 +162,78 @@ def first_index(options: CreateOptions) -> int:
     return int(options.cache_indices[0]) if options.cache_indices is not None else 0
 
 
+# With ragged="auto", the samples a creator computes to learn which fields are ragged (their shapes differ): the
+# first and this many more, spread over the cacheable indices. They are stored, so none is computed twice.
+_PROBES = 8
+
+
 def _create_locked(request: Request, source: Source) -> None:
-    """Computes the first sample, learns the layout from it, and creates the cache. Caller holds the lock."""
-    index = first_index(request.options)
+    """Computes the first sample (and a few probes), learns the layout from them, and creates the cache with
+    them stored in it. Caller holds the lock."""
+    options = request.options
+    index = first_index(options)
     sample = source.fetch(index)
     try:
-        layout = Layout.from_sample(sample, request.options.max_shapes)
+        layout = Layout.from_samples([sample], options.max_shapes, options.declared_ragged)
     except LayoutError as exc:
         raise LayoutError(f"sample {index}: {exc}") from None
-    slots, slot_index, variants = request.options.plan(layout, source.length)
+    samples = [(index, sample)]
+    if options.ragged == "auto" and any(f.shape and not f.ragged and not f.variable for f in layout.fields):
+        slots, slot_index, _ = options.plan(layout, source.length)
+        cacheable = np.arange(slots) if slot_index is None else slot_index
+        spread = cacheable[np.linspace(0, len(cacheable) - 1, _PROBES).astype(np.int64)]
+        samples += [(int(i), source.fetch(int(i))) for i in dict.fromkeys(spread.tolist()) if i != index]
+        try:
+            layout = Layout.from_samples([s for _, s in samples], options.max_shapes, options.declared_ragged)
+        except LayoutError as exc:
+            raise LayoutError(f"sample {index}: {exc}") from None
+    ragged_bytes = _ragged_bytes(layout, [s for _, s in samples])
+    slots, slot_index, variants = options.plan(layout, source.length, ragged_bytes=ragged_bytes)
+    heap_budget = None
+    if options.max_bytes is not None and layout.ragged:
+        fixed = plan_bytes(layout, slots * variants, slots if slot_index is not None else 0)
+        heap_budget = max(0, options.max_bytes - fixed)
 
     def store_first(directory: str) -> None:
-        # In the cache still under its temporary name, so no opener ever finds this sample missing.
+        # In the cache still under its temporary name, so no opener ever finds these samples missing.
         store = Store(directory, writable=True)
         try:
             reader = RowReader(store, recompute_stale=True)
-            values = source.values(reader, sample, index)
-            row = RowMap.of(store, variant_choice=request.variant_choice, seed=request.seed).row(index, 0)
-            store.state.publish(row, lambda: reader.write(row, values))
+            rows = RowMap.of(store, variant_choice=request.variant_choice, seed=request.seed)
+            for number, (i, probe) in enumerate(samples):
+                row = rows.row(i, 0)
+                if row < 0:
+                    continue
+                try:
+                    values = source.values(reader, probe, i)
+                except (LayoutError, ValueError):
+                    if number == 0:
+                        raise
+                    continue  # a probe that cannot be stored fails the same way when it is read
+                store.state.publish(row, i, lambda: reader.write(row, values))  # noqa: B023 - called at once
         finally:
             store.close()
 
     _create.create(
         request.path, layout, length=source.length, slots=slots, variants=variants, slot_index=slot_index,
         fingerprint=request.fingerprint, delete_on_close=request.delete_on_close, library_version=__version__,
-        prepare=store_first,
+        prepare=store_first, heap_budget=heap_budget, ragged_bytes=ragged_bytes,
     )
+
+
+def _ragged_bytes(layout: Layout, samples: list[Any]) -> int:
+    """The mean bytes per sample of the ragged fields' values among ``samples`` (an estimate for planning)."""
+    numbers = [n for n, f in enumerate(layout.fields) if f.ragged]
+    if not numbers:
+        return 0
+    sizes = []
+    for sample in samples:
+        try:
+            leaves = flatten(sample)[1]
+            sizes.append(sum(leaves[n].value.nbytes for n in numbers if n < len(leaves)))
+        except LayoutError:
+            continue
+    return int(np.mean(sizes)) if sizes else 0
 
 
 # --- is it the same source? -------------------------------------------------------------------------------------
@@ -215,6 +263,10 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
             return (f"{store.slots} cacheable samples ({which}) in the cache, {slots} "
                     f"({'a chosen subset' if index is not None else 'the first ones'}) with {given}; open it without "
                     "max_bytes/cache_indices to use the recorded ones")
+    if options.ragged is not None and options.ragged != "auto":
+        stored_fixed = sorted(set(options.ragged) - {f.name for f in store.layout.ragged})
+        if stored_fixed:
+            return f"field(s) {stored_fixed} are stored with a fixed shape in the cache, ragged={list(options.ragged)} given"
     if options.max_shapes is not None:
         have_shapes = {f.name: f.shape for f in store.layout.fields if f.variable}
         if have_shapes != options.max_shapes:

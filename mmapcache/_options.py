@@ -17,7 +17,8 @@ STALE_MODES = ("recompute", "serve")
 class CreateOptions:
     """Validated creation options (those that only matter when a cache is created or compared)."""
 
-    def __init__(self, max_bytes: Any, cache_indices: Any, variants: Any, max_shapes: Any) -> None:
+    def __init__(self, max_bytes: Any, cache_indices: Any, variants: Any, max_shapes: Any,
+                 ragged: Any = None) -> None:
         self.max_bytes = None if max_bytes is None else parse_size(max_bytes, "max_bytes")
         if variants is not None:
             if not _is_count(variants) or variants < 1:
@@ -39,9 +40,22 @@ class CreateOptions:
                 raise TypeError(f"max_shapes must be a dict of field path -> shape, got {type(max_shapes).__name__}")
             max_shapes = {name: _max_shape(name, shape) for name, shape in max_shapes.items()}
         self.max_shapes = max_shapes
+        if ragged is not None and ragged != "auto":
+            if isinstance(ragged, str) or not all(isinstance(name, str) for name in ragged):
+                raise TypeError(f"ragged must be 'auto' or a list of field paths (str), e.g. ragged=['input_ids'], "
+                                f"got {ragged!r}")
+            ragged = tuple(ragged)
+        self.ragged = ragged
 
-    def plan(self, layout: Layout, length: int, default_variants: int = 1) -> tuple[int, np.ndarray | None, int]:
-        """Slots, slot index and variants of a new cache (or of the cache these options describe)."""
+    @property
+    def declared_ragged(self) -> tuple[str, ...]:
+        """The field paths named ragged (none for ``"auto"``, which probes instead)."""
+        return () if self.ragged in (None, "auto") else self.ragged  # type: ignore[return-value]
+
+    def plan(self, layout: Layout, length: int, default_variants: int = 1,
+             ragged_bytes: int = 0) -> tuple[int, np.ndarray | None, int]:
+        """Slots, slot index and variants of a new cache (or of the cache these options describe), with
+        ``ragged_bytes`` per sample expected in the heaps (counted against ``max_bytes``)."""
         variants = self.variants or default_variants
         index = self.cache_indices
         if index is not None and (index.min() < 0 or index.max() >= length):
@@ -51,9 +65,10 @@ class CreateOptions:
             # max_bytes bounds the whole cache as plan_bytes counts it (data, shapes, counters, bitmaps,
             # slot index), so a size suggested by InsufficientSpaceError really fits.
             has_index = index is not None
-            per_sample = max(1, plan_bytes(layout, 8 * variants, 8 if has_index else 0) // 8)  # bitmap bits shared
+            per_row = ragged_bytes
+            per_sample = max(1, plan_bytes(layout, 8 * variants, 8 if has_index else 0, per_row) // 8)  # bitmap bits
             fit = self.max_bytes // per_sample
-            while fit and plan_bytes(layout, fit * variants, fit if has_index else 0) > self.max_bytes:
+            while fit and plan_bytes(layout, fit * variants, fit if has_index else 0, per_row) > self.max_bytes:
                 fit -= 1
             if fit == 0:
                 raise ValueError(f"max_bytes={self.max_bytes} is smaller than one sample ({per_sample} bytes with "

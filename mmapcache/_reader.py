@@ -1,23 +1,33 @@
-"""The warm read path: copying rows out of the maps under the seqlock, one row or a batch at a time.
+"""The warm read path: copying rows out of the maps under the seqlock, one row or a batch at a time, and the
+one writer of a row's bytes.
 
 Everything a read needs is precomputed here once per process (numpy views, converters, the sample builder), so a
 hit costs no memmap construction, lock, file system call or JSON: a few memoryview loads, one copy per field,
-and the rebuild of the sample's containers.
+and the rebuild of the sample's containers. Ragged fields are read from their heaps (``_heap``): one value at a
+time for ``ds[i]``, and for a batch one gather of the index rows and one vectorised copy of the values
+(``RaggedColumn``).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import _gather
-from ._codec import batch_builder, batch_converter, compile_checker, leaf_converter, sample_builder
+from ._codec import (
+    batch_builder, batch_converter, compile_checker, leaf_converter, sample_builder, subclass_wrapper,
+)
+from ._filled import NoRoom
 from ._gather import take
-from ._layout import BOOL, FLOAT, INT, NDARRAY, NPSCALAR, TENSOR, Field
+from ._heap import Heap, budget_left
+from ._layout import BOOL, BYTES, FLOAT, INT, JSON, NDARRAY, NPSCALAR, PYLIST, STR, TENSOR, TEXT_KINDS, Field
 from ._store import Store
+from .errors import UncachedFieldWarning
 
 # A reader that loses the seqlock race this many times in a row (a row rewritten again and again) gives up and
 # treats the row as a miss, which waits for the writer lock instead of spinning.
@@ -36,13 +46,18 @@ class RowReader:
         self.data = store.data
         self.shapes = store.shapes
         self.variable = any(f.variable for f in self.fields)
+        self.ragged = [n for n, f in enumerate(self.fields) if f.ragged]
+        self.wrap = subclass_wrapper(layout)
         self.build = sample_builder(layout.structure)
         self.check = compile_checker(layout)
         self.build_batch = batch_builder(layout.structure)
         self._readers = [self._field_reader(n) for n in range(len(self.fields))]
         # Closures over the maps, never over self: a cycle through self would keep the maps (and the file
         # system) busy after close until the garbage collector ran.
-        self._raw_readers = [_raw_reader(data, shapes) for data, shapes in zip(self.data, self.shapes)]
+        self._raw_readers = [
+            _ragged_reader(index, heap, f.np_dtype) if heap is not None else _raw_reader(data, shapes)
+            for f, data, shapes, index, heap in zip(self.fields, self.data, self.shapes, store.index, store.heaps)
+        ]
         self._miss_converters = [_value_converter(f) for f in self.fields]
         self._batch_converters = [batch_converter(f) for f in self.fields]
         self._splitters = [_splitter(f) for f in self.fields]
@@ -50,12 +65,20 @@ class RowReader:
         self._buffers = _gather.buffers
         structure = layout.structure
         # A flat tuple of leaves in field order (the usual (input, target) pair): zip() builds the samples in C.
-        self._zip_tuples = "tuple" in structure and [s.get("leaf") for s in structure["tuple"]] == list(
-            range(len(self.fields)))
+        self._zip_tuples = self.wrap is None and "tuple" in structure and [
+            s.get("leaf") for s in structure["tuple"]] == list(range(len(self.fields)))
+        self._warned: set[str] = set()
 
     def _field_reader(self, n: int) -> Callable[[int], Any]:
         """A function copying field ``n`` of a row out of the map, as the type the source returned."""
         field, data, shapes = self.fields[n], self.data[n], self.shapes[n]
+        heap = self.store.heaps[n]
+        if heap is not None:
+            index = self.store.index[n]
+            if field.kind == STR:
+                return _str_reader(index, heap)  # type: ignore[arg-type]
+            raw, convert = _ragged_reader(index, heap, field.np_dtype), leaf_converter(field)  # type: ignore[arg-type]
+            return lambda row: convert(raw(row))
         if field.kind in (INT, FLOAT, BOOL):
             return data.item  # Python int/float/bool straight from the buffer
         if field.kind == NPSCALAR:
@@ -64,8 +87,7 @@ class RowReader:
         if shapes is not None:
             def read_variable(row: int) -> Any:
                 shape = tuple(shapes[row].tolist())
-                size = int(np.prod(shape, dtype=np.int64))
-                return convert(data[row].reshape(-1)[:size].reshape(shape).copy())
+                return convert(data[row].reshape(-1)[:math.prod(shape)].reshape(shape).copy())
             return read_variable
         if not field.shape:
             return lambda row: convert(data[row, ...].copy())  # data[row] would be a numpy scalar, not an array
@@ -76,7 +98,9 @@ class RowReader:
     def read(self, row: int) -> Any | None:
         """The sample in ``row``, or None if it is not filled (or stale, or being written): a miss."""
         leaves = self._consistent(row, self._readers)
-        return None if leaves is None else self.build(leaves)
+        if leaves is None:
+            return None
+        return self.build(leaves if self.wrap is None else self.wrap(leaves))
 
     def read_values(self, row: int) -> list[np.ndarray] | None:
         """The flattened stored values of ``row`` (numpy, at actual shape), or None on a miss."""
@@ -97,7 +121,14 @@ class RowReader:
             before = seq[row]
             if before & 1:
                 return None
-            values = [read(row) for read in readers]
+            try:
+                values = [read(row) for read in readers]
+            except Exception:
+                # A ragged value read while a writer rewrote it (a torn offset, shape or UTF-8 sequence) fails
+                # here; the counter then says so, and the read is retried. Otherwise the error is real.
+                if seq[row] != before:
+                    continue
+                raise
             if seq[row] == before:
                 return values
         return None
@@ -110,23 +141,61 @@ class RowReader:
         a numpy scalar, and the cache's containers. Arrays are not copied: a tensor shares memory with the
         source's (``torch.from_numpy`` of the checked numpy view), as a hit's tensor is a view of its own copy.
         """
-        return self.build([convert(value) for convert, value in zip(self._miss_converters, values)])
+        leaves = [convert(value) for convert, value in zip(self._miss_converters, values)]
+        return self.build(leaves if self.wrap is None else self.wrap(leaves))
 
     def write(self, row: int, values: list[Any]) -> None:
         """Copies a checked sample's values into ``row``. The caller holds the writer lock (``publish``).
 
         Arrays go through ``pwrite`` (the kernel copies into the shared pages; no page faults in this process),
-        scalars through the map.
+        scalars through the map. Ragged values get their heap room first: with none for one of them, ``NoRoom`` is
+        raised before anything is written (the sample is then served uncached).
         """
+        if self.ragged:
+            self._write_ragged(row, values)
         for data, shapes, fd, offset, row_bytes, value in zip(
             self.data, self.shapes, self.store.data_fds, self.store.data_offsets, self._row_bytes, values
         ):
+            if data is None:
+                continue  # ragged: written above
             if shapes is not None:
                 shapes[row] = value.shape
             if fd < 0 or data.ndim == 1:
                 data[row] = value
             else:
                 _pwrite_all(fd, np.ascontiguousarray(value), offset + row * row_bytes)
+
+    def _write_ragged(self, row: int, values: list[Any]) -> None:
+        store = self.store
+        placed = []
+        for n in self.ragged:
+            value = np.ascontiguousarray(values[n])
+            index, heap = store.index[n], store.heaps[n]
+            old_offset, old_nbytes = int(index[row, 0]), int(index[row, 1])  # type: ignore[index]
+            offset = heap.allocate(old_offset, old_nbytes, value.nbytes, value.itemsize,  # type: ignore[union-attr]
+                                   budget_left(store.heap_counters, store.heap_budget))
+            if offset is None:
+                for _, placed_heap, placed_offset, placed_value in placed:  # room taken for nothing: abandoned
+                    placed_heap.counters[2] += placed_value.nbytes
+                self._warn_uncached(self.fields[n])
+                raise NoRoom
+            placed.append((n, heap, offset, value))
+        for n, heap, offset, value in placed:
+            heap.write(offset, value)
+            store.index[n][row] = (offset, value.nbytes, *value.shape)  # type: ignore[index]
+
+    def _warn_uncached(self, field: Field) -> None:
+        if field.name in self._warned:
+            return
+        self._warned.add(field.name)
+        budget = self.store.heap_budget
+        why = f"the cache's heap budget ({budget} bytes, from max_bytes)" if budget is not None else \
+            "the file system"
+        warnings.warn(
+            f"the cache at {self.store.path} has no room left in {why} for field {field.name!r}: further samples "
+            "that need room pass through uncached (computed from the source on every access; `mmapcache inspect` "
+            "counts them). Give the cache a larger max_bytes, or free space", UncachedFieldWarning, stacklevel=5,
+        )
 
     # --- batches -----------------------------------------------------------------------------------------------
 
@@ -157,8 +226,13 @@ class RowReader:
         count = int(np.count_nonzero(readable))
         # Rows that cannot be read are filled by the caller anyway: a mostly cold batch copies only its hits.
         hits = None if count * 2 >= n else np.flatnonzero(readable)
-        columns = []
-        for field, data in zip(self.fields, self.data):
+        columns: list[Any] = []
+        for field, data, index, heap in zip(self.fields, self.data, self.store.index, self.store.heaps):
+            if heap is not None:
+                column = _gather_ragged(field, index, heap, safe_rows, readable)  # type: ignore[arg-type]
+                readable &= column.valid
+                columns.append(column)
+                continue
             out = alloc((n, *field.shape), field.np_dtype)
             if hits is None:
                 take(data, safe_rows, out)
@@ -177,12 +251,26 @@ class RowReader:
         per_field = self.split(columns)
         if self._zip_tuples:
             return list(zip(*per_field))
-        build = self.build
+        build, wrap = self.build, self.wrap
+        if wrap is not None:
+            return [build(wrap(list(leaves))) for leaves in zip(*per_field)]
         return [build(leaves) for leaves in zip(*per_field)]
 
-    def collate(self, columns: list[np.ndarray]) -> Any:
-        """The batch as ``default_collate`` would build it, from gathered columns (no extra copy)."""
-        return self.build_batch([convert(column) for convert, column in zip(self._batch_converters, columns)])
+    def collate(self, columns: list[Any], pad: Any = None) -> Any:
+        """The batch as ``default_collate`` would build it, from gathered columns (no extra copy). A ragged field
+        becomes a list of its values, or with ``pad`` (a ``PadCollate``) a ``Padded`` batch."""
+        leaves = []
+        for field, convert, split, column in zip(self.fields, self._batch_converters, self._splitters, columns):
+            if not field.ragged:
+                leaves.append(convert(column))
+            elif field.kind == JSON:
+                leaves.append(None)  # a tensor subclass's attributes: default_collate's stack drops them too
+            elif pad is not None and field.kind not in TEXT_KINDS and (
+                    pad.fields is None or field.name in pad.fields):
+                leaves.append(pad.pad(*column.merged(), _torch_target(field)))
+            else:
+                leaves.append(split(column))
+        return self.build_batch(leaves)
 
 
 def _raw_reader(data: np.ndarray, shapes: np.ndarray | None) -> Callable[[int], np.ndarray]:
@@ -192,12 +280,129 @@ def _raw_reader(data: np.ndarray, shapes: np.ndarray | None) -> Callable[[int], 
 
     def read_variable(row: int) -> np.ndarray:
         shape = tuple(shapes[row].tolist())
-        return data[row].reshape(-1)[: int(np.prod(shape, dtype=np.int64))].reshape(shape).copy()
+        return data[row].reshape(-1)[:math.prod(shape)].reshape(shape).copy()
     return read_variable
 
 
-def _splitter(field: Field) -> Callable[[np.ndarray], list[Any]]:
-    """Splits a gathered batch array into per-sample values of the source's types."""
+class _Torn(Exception):  # noqa: N818 - internal: caught by the seqlock loop, which retries
+    """A ragged value's index row does not describe a value in the heap: a writer is rewriting it."""
+
+
+def _ragged_reader(index: np.ndarray, heap: Heap, dtype: np.dtype) -> Callable[[int], np.ndarray]:
+    """A function copying a ragged field's value of a row out of its heap, as numpy at its shape. Closes over the
+    index's memoryview and the heap (never a store or reader: see ``RowReader.__init__``)."""
+    width = index.shape[1]
+    ndim = width - 2
+    words = memoryview(index.reshape(-1)).cast("B").cast("q") if index.size else memoryview(b"").cast("q")
+
+    def read(row: int) -> np.ndarray:
+        base = row * width
+        offset, nbytes = words[base], words[base + 1]
+        end = offset + nbytes
+        buf = heap.buf if end <= heap.size else heap.covering(end)
+        if offset < 0 or nbytes < 0 or end > len(buf):
+            raise _Torn
+        shape = (words[base + 2],) if ndim == 1 else tuple(words[base + 2:base + width])
+        return buf[offset:end].view(dtype).reshape(shape).copy()
+    return read
+
+
+def _str_reader(index: np.ndarray, heap: Heap) -> Callable[[int], str]:
+    """``_ragged_reader`` for a str field, straight to ``str`` (one copy, into the decoded string)."""
+    words = memoryview(index.reshape(-1)).cast("B").cast("q") if index.size else memoryview(b"").cast("q")
+
+    def read(row: int) -> str:
+        offset, nbytes = words[row * 3], words[row * 3 + 1]
+        end = offset + nbytes
+        buf = heap.buf if end <= heap.size else heap.covering(end)
+        if offset < 0 or nbytes < 0 or end > len(buf):
+            raise _Torn
+        return buf.data[offset:end].tobytes().decode()
+    return read
+
+
+class RaggedColumn:
+    """A batch of one ragged field's values, gathered back to back: ``flat`` (C order), ``counts`` elements each,
+    ``shapes`` ``(B, ndim)``. Positions filled after the gather (misses) are ``patches``. ``valid`` marks the
+    positions whose index row described a value (the others were being rewritten: the caller fills them)."""
+
+    __slots__ = ("flat", "counts", "shapes", "valid", "patches")
+
+    def __init__(self, flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, valid: np.ndarray) -> None:
+        self.flat, self.counts, self.shapes, self.valid = flat, counts, shapes, valid
+        self.patches: dict[int, np.ndarray] = {}
+
+    def __setitem__(self, position: int, value: Any) -> None:
+        self.patches[position] = np.asarray(value)
+
+    def parts(self) -> list[np.ndarray]:
+        """Each position's value (views into ``flat``; patches as given)."""
+        flat, ends = self.flat, np.cumsum(self.counts).tolist()
+        starts = [0, *ends[:-1]]
+        if self.shapes.shape[1] == 1:
+            parts = [flat[a:b] for a, b in zip(starts, ends)]
+        else:
+            parts = [flat[a:b].reshape(shape) for a, b, shape in zip(starts, ends, self.shapes.tolist())]
+        for position, value in self.patches.items():
+            parts[position] = value
+        return parts
+
+    def merged(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(flat, counts, shapes)`` with the patches folded in."""
+        if not self.patches:
+            return self.flat, self.counts, self.shapes
+        parts = self.parts()
+        flat = np.concatenate([p.reshape(-1) for p in parts]).astype(self.flat.dtype, copy=False)
+        shapes = np.array([p.shape for p in parts], np.int64).reshape(len(parts), -1)
+        return flat, np.array([p.size for p in parts], np.int64), shapes
+
+
+# Values larger than this are copied slice by slice; smaller ones through one vectorised gather of their elements.
+_SLICE_BYTES = 1 << 16
+
+
+def _gather_ragged(field: Field, index: np.ndarray, heap: Heap, rows: np.ndarray,
+                   readable: np.ndarray) -> RaggedColumn:
+    """The values of ``rows`` (where ``readable``) of a ragged field, copied out of its heap in one step."""
+    itemsize = field.np_dtype.itemsize
+    entries = index[rows]
+    offsets, nbytes, shapes = entries[:, 0], entries[:, 1], entries[:, 2:]
+    counts = np.where(shapes.shape[1] == 1, shapes[:, 0], np.prod(shapes, axis=1)) if len(rows) else nbytes
+    ends = offsets + nbytes
+    buf = heap.covering(int(ends.max()) if len(rows) else 0)
+    valid = (offsets >= 0) & (nbytes >= 0) & (ends <= len(buf)) & (offsets % itemsize == 0) & (
+        counts * itemsize == nbytes) & (shapes >= 0).all(axis=1)
+    use = readable & valid
+    counts = np.where(use, counts, 0)
+    shapes = np.where(use[:, None], shapes, 0)
+    total = int(counts.sum())
+    elements = buf[:len(buf) - len(buf) % itemsize].view(field.np_dtype)
+    first = np.where(use, offsets // itemsize, 0)
+    if total == 0:
+        flat = np.empty(0, field.np_dtype)
+    elif total * itemsize <= _SLICE_BYTES * max(1, int(use.sum())):
+        starts = np.cumsum(counts) - counts
+        flat = elements[np.repeat(first - starts, counts) + np.arange(total)]
+    else:
+        flat = np.concatenate([elements[a:a + c] for a, c in zip(first.tolist(), counts.tolist()) if c])
+    return RaggedColumn(flat, counts, shapes, valid | ~readable)
+
+
+def _torch_target(field: Field) -> Any:
+    if field.kind != TENSOR or field.torch_dtype is None:
+        return None
+    import torch
+
+    return getattr(torch, field.torch_dtype)
+
+
+def _splitter(field: Field) -> Callable[[Any], list[Any]]:
+    """Splits a gathered batch (an array with a leading batch axis, or a ``RaggedColumn``) into per-sample values
+    of the source's types."""
+    if field.ragged:
+        return _ragged_splitter(field)
+    if field.kind == PYLIST:
+        return lambda batch: batch.tolist()
     if field.kind == TENSOR:
         convert = batch_converter(field)
         return lambda batch: list(convert(batch).unbind(0))
@@ -207,6 +412,40 @@ def _splitter(field: Field) -> Callable[[np.ndarray], list[Any]]:
         # Iterating a 1-D batch yields numpy scalars; a 0-d ndarray field must stay a 0-d ndarray, as ds[i] gives.
         return lambda batch: [batch[i, ...] for i in range(len(batch))]
     return list  # ndarray rows (views of the fresh batch) or numpy scalars (iteration yields copies)
+
+
+def _ragged_splitter(field: Field) -> Callable[[RaggedColumn], list[Any]]:
+    if field.kind in TEXT_KINDS:
+        decode = field.kind == STR
+        make = None if field.kind in (STR, BYTES) else leaf_converter(field)
+
+        def split_text(column: RaggedColumn) -> list[Any]:
+            data, ends = column.flat.tobytes(), np.cumsum(column.counts).tolist()
+            out: list[Any] = [data[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+            for position, value in column.patches.items():
+                out[position] = value.tobytes()
+            if make is not None:
+                return [make(np.frombuffer(b, np.uint8)) for b in out]
+            return [b.decode() for b in out] if decode else out
+        return split_text
+    convert = leaf_converter(field)
+    if field.kind == TENSOR:
+        import torch
+
+        target = _torch_target(field)
+
+        def split_tensors(column: RaggedColumn) -> list[Any]:
+            flat = torch.from_numpy(column.flat)
+            if flat.dtype != target:
+                flat = flat.view(target)
+            parts = list(flat.split(column.counts.tolist()))
+            if column.shapes.shape[1] != 1:
+                parts = [p.view(shape) for p, shape in zip(parts, column.shapes.tolist())]
+            for position, value in column.patches.items():
+                parts[position] = convert(value)
+            return parts
+        return split_tensors
+    return lambda column: [convert(p) for p in column.parts()]
 
 
 def _value_converter(field: Field) -> Callable[[Any], Any]:
@@ -222,7 +461,7 @@ def _value_converter(field: Field) -> Callable[[Any], Any]:
         return lambda value: value[()]  # a numpy scalar from a numpy scalar or a 0-d array
     if field.kind == NDARRAY:
         return np.asarray  # drops ndarray subclasses (np.memmap, np.matrix) without a copy
-    return leaf_converter(field)  # torch.from_numpy (and a view for dtypes numpy lacks): a plain Tensor
+    return leaf_converter(field)  # str, bytes, lists and metadata from their stored form; a tensor: see below  # torch.from_numpy (and a view for dtypes numpy lacks): a plain Tensor
 
 
 def _pwrite_all(fd: int, value: np.ndarray, offset: int) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import fcntl
 import io
+import math
 import mmap
 import os
 import stat
@@ -21,7 +22,8 @@ import numpy as np
 from . import _format as fmt
 from ._admin import delete
 from ._files import open_file
-from ._filled import SlotState
+from ._filled import SlotState, map_exact
+from ._heap import Heap
 from ._layout import Layout
 from .errors import CacheFormatError, CacheNotFoundError, UnsupportedFileSystemError
 
@@ -36,7 +38,10 @@ class Store:
         meta: the parsed ``meta.json``.
         layout: the sample layout.
         data: per field, a numpy view ``(rows, *shape)`` of its ``.npy`` file.
-        shapes: per field, the ``(rows, ndim)`` int64 view of its shape file, or None for fixed fields.
+        shapes: per field, the ``(rows, ndim)`` int64 view of its shape file (``max_shapes`` fields), else None.
+        index: per field, the ``(rows, 2 + ndim)`` int64 view of a ragged field's index, else None.
+        heaps: per field, a ragged field's ``Heap``, else None.
+        heap_counters: ``(ragged fields, 4)`` uint64 view of ``heaps.u64``.
         state: the slot state (bitmaps, counters, lock).
         writable: whether this process may write.
 
@@ -65,7 +70,7 @@ class Store:
             raise
         if writable is None:
             writable = os.access(path, os.W_OK) and all(
-                os.access(os.path.join(path, f["file"]), os.W_OK) for f in self.meta["fields"]
+                os.access(os.path.join(path, f["file"] or f["heap"]), os.W_OK) for f in self.meta["fields"]
             ) and os.access(os.path.join(path, fmt.FILLED), os.W_OK)
         self.writable = writable
         self.layout = Layout.from_json(self.meta)
@@ -79,9 +84,27 @@ class Store:
         self.data_offsets: list[int] = []  # byte offset of row 0 in each field's file
         self.data_fds: list[int] = []  # per field, a descriptor for pwrite (writable stores), else -1
         self.shapes: list[np.ndarray | None] = []
-        self._finalizer = weakref.finalize(self, _release, self._maps, self._fds)
+        self.index: list[np.ndarray | None] = []
+        self.heaps: list[Heap | None] = []
+        self.heap_budget: int | None = self.meta["heap_budget"]
+        self._finalizer = weakref.finalize(self, _release, self._maps, self._fds, self.heaps)
         try:
+            ragged = len(self.layout.ragged)
+            self._maps.append(map_exact(path, fmt.HEAPS, 32 * ragged, mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ, writable))
+            self.heap_counters = np.frombuffer(self._maps[-1], "<u8", count=4 * ragged).reshape(ragged, 4)
             for field, spec in zip(self.layout.fields, self.meta["fields"]):
+                if field.ragged:
+                    self.data.append(None)  # type: ignore[arg-type]
+                    self.data_fds.append(-1)
+                    self.data_offsets.append(0)
+                    self.shapes.append(None)
+                    self.index.append(self._map_npy(spec["index_file"], np.dtype("<i8"),
+                                                    (self.rows, 2 + len(field.shape))))
+                    self.heaps.append(Heap(path, spec["heap"], self.heap_counters[sum(h is not None for h in
+                                                                                      self.heaps)], writable))
+                    continue
+                self.index.append(None)
+                self.heaps.append(None)
                 self.data.append(self._map_npy(spec["file"], field.np_dtype, (self.rows, *field.shape), keep_fd=True))
                 shape_file = spec["shape_file"]
                 self.shapes.append(
@@ -91,11 +114,12 @@ class Store:
             self.state = SlotState(path, self.rows, writable)
             self.state.check_consistency(path)
         except CacheFormatError:
+            self._finalizer()
             if self.moved():  # files vanished because the cache was removed meanwhile, not damaged
-                self._finalizer()
                 raise CacheNotFoundError(_removed_message(path)) from None
             raise
         except OSError as exc:
+            self._finalizer()  # every descriptor opened so far: a process out of them (EMFILE) must get them back
             if exc.errno in (errno.ENODEV, errno.EINVAL, errno.EOPNOTSUPP):
                 raise UnsupportedFileSystemError(
                     f"{path}: the file system does not support shared memory maps ({exc.strerror}); put the cache on "
@@ -139,7 +163,7 @@ class Store:
                     f"{path}: found array {found_dtype} {tuple(found_shape)}, expected {dtype.str} {shape} as "
                     f"{fmt.META} says; {fix}"
                 )
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             size = os.fstat(fd).st_size
             if size < offset + nbytes:
                 raise CacheFormatError(f"{path} has {size} bytes, expected {offset + nbytes}: it is truncated; {fix}")
@@ -159,7 +183,7 @@ class Store:
         else:
             os.close(fd)
         self._maps.append(m)
-        return np.frombuffer(m, dtype, count=int(np.prod(shape, dtype=np.int64)), offset=offset).reshape(shape)
+        return np.frombuffer(m, dtype, count=math.prod(shape), offset=offset).reshape(shape)
 
     def _read_slot_index(self) -> np.ndarray | None:
         if self.meta["slot_index"] is None:
@@ -256,6 +280,7 @@ class Store:
         self.state.close()
         self.data.clear()
         self.shapes.clear()
+        self.index.clear()
         self._finalizer()
 
 
@@ -272,7 +297,11 @@ def _removed_message(path: str) -> str:
     )
 
 
-def _release(maps: list[mmap.mmap], fds: list[int]) -> None:
+def _release(maps: list[mmap.mmap], fds: list[int], heaps: list[Heap | None]) -> None:
+    for heap in heaps:
+        if heap is not None:
+            heap.close()
+    heaps.clear()
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)

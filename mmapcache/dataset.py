@@ -57,8 +57,12 @@ class MmapCachedDataset(Dataset):
         stale: what a reader does with a sample marked stale by ``refresh``: ``"recompute"`` it on access like a
             miss (default), or ``"serve"`` the previous version until a producer (``mmapcache build --follow``)
             replaces it.
-        max_shapes: ``{field_path: max_shape}`` for fields whose shape varies between samples; each sample's
-            actual shape is stored, and a hit returns exactly what was stored.
+        ragged: field paths whose shape varies between samples (token ids, boxes), stored packed at each value's
+            own size, or ``"auto"``: the creator computes (and stores) 8 samples spread over the dataset and makes
+            ragged every field whose shape differs among them. ``str``/``bytes`` fields and 1-D lists of numbers
+            are always ragged; other fields keep the first sample's shape.
+        max_shapes: ``{field_path: max_shape}`` for varying fields stored instead in fixed rows of the maximum
+            shape (each sample's actual shape is stored beside it, and a hit returns exactly what was stored).
         delete_on_close: remove the cache when the last process using it closes it or exits.
         check_finite: refuse (ValueError, nothing stored) samples with NaN or infinite floating-point values.
         deterministic: whether the source returns the same sample for the same index every time (default True).
@@ -91,6 +95,7 @@ class MmapCachedDataset(Dataset):
         variant_choice: str = "epoch",
         seed: int = 0,
         stale: str = "recompute",
+        ragged: Sequence[str] | str | None = None,
         max_shapes: Mapping[str, Sequence[int]] | None = None,
         delete_on_close: bool = False,
         check_finite: bool = False,
@@ -121,7 +126,7 @@ class MmapCachedDataset(Dataset):
         self._open_lock = threading.Lock()
         self._source_length = source_length(dataset) if dataset is not None else 0
         self._request = Request(self.path, self.fingerprint, CreateOptions(max_bytes, cache_indices, variants,
-                                max_shapes), overwrite, self.delete_on_close, self.variant_choice, self.seed)
+                                max_shapes, ragged), overwrite, self.delete_on_close, self.variant_choice, self.seed)
         store, self.created = open_cache(self._request, self._source())
         self._identity = identity(store)
         self._bind(store)
@@ -204,7 +209,7 @@ class MmapCachedDataset(Dataset):
         reader = self._ensure_open()
         rows = self._rows.rows_of(idx, epoch)
         columns, missing = reader.gather(rows, alloc)
-        computed: list[tuple[int, list[Any]]] = []
+        computed: list[tuple[int, int, list[Any]]] = []
         try:
             for k in missing:
                 index, row = int(idx[k]), int(rows[k])
@@ -213,7 +218,7 @@ class MmapCachedDataset(Dataset):
                     self._require_source(index, row)
                     values = self._checked(reader, self._fetch(index), index)
                     if row >= 0:
-                        computed.append((row, values))
+                        computed.append((row, index, values))
                 for column, value in zip(columns, values):
                     column[k] = value
         finally:
@@ -222,13 +227,13 @@ class MmapCachedDataset(Dataset):
                 self._publish_rows(computed)
         return columns
 
-    def _publish_rows(self, computed: list[tuple[int, list[Any]]]) -> None:
+    def _publish_rows(self, computed: list[tuple[int, int, list[Any]]]) -> None:
         if not self._store.writable:
             _warn_read_only(self.path)
             return
         reader = self._ensure_open()
         self._store.state.publish_many(
-            [(row, functools.partial(reader.write, row, values)) for row, values in computed]
+            [(row, index, functools.partial(reader.write, row, values)) for row, index, values in computed]
         )
 
     # --- misses ------------------------------------------------------------------------------------------------
@@ -279,7 +284,7 @@ class MmapCachedDataset(Dataset):
         if not self._store.writable:
             _warn_read_only(self.path)
             return values
-        self._store.state.publish(row, lambda: reader.write(row, values))
+        self._store.state.publish(row, index, lambda: reader.write(row, values))
         return values
 
     # --- public API --------------------------------------------------------------------------------------------
@@ -377,7 +382,7 @@ class MmapCachedDataset(Dataset):
             row = self._rows.row(i, self._epoch_view[0])
             if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1:  # re-check: others fill too
                 values = self._checked(reader, self._fetch(i), i)
-                stored += state.publish(row, functools.partial(reader.write, row, values))
+                stored += state.publish(row, i, functools.partial(reader.write, row, values))
         return stored
 
     def prefill(self, *, rank: int | None = None, world_size: int | None = None, barrier: bool = True) -> int:
@@ -395,16 +400,17 @@ class MmapCachedDataset(Dataset):
         """Whether ``read_batch`` can build collated batches (no ``transform``, no variable-shape field)."""
         return self.transform is None and not self._ensure_open().variable
 
-    def read_batch(self, indices: Sequence[int] | np.ndarray, epoch: int | None = None) -> Any:
+    def read_batch(self, indices: Sequence[int] | np.ndarray, epoch: int | None = None, pad: Any = None) -> Any:
         """The batch of ``indices`` as ``default_collate`` would build it from ``[ds[i] for i in indices]``, in one
-        gather per field straight into the batch's tensors (shared memory in a DataLoader worker). Misses are
+        gather per field straight into the batch's tensors (shared memory in a DataLoader worker); a ragged field
+        is a list of its values, or with ``pad`` (a ``mmapcache.PadCollate``) a ``Padded`` batch. Misses are
         computed and stored. Needs ``reads_batches``. Safe across processes and threads."""
         reader = self._ensure_open()
         idx = check_indices(indices, self._length, self._where())
         from ._loader import alloc_shared
 
         alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
-        return reader.collate(self._gather(idx, self._epoch_view[0] if epoch is None else epoch, alloc))
+        return reader.collate(self._gather(idx, self._epoch_view[0] if epoch is None else epoch, alloc), pad)
 
     def loader(self, **kwargs: Any) -> torch.utils.data.DataLoader:
         """A DataLoader over the cache that gathers each batch straight into its final tensors.

@@ -106,3 +106,9 @@ class SourceError(MmapCacheError, RuntimeError):
 class CacheReadOnlyWarning(UserWarning):
     """Misses are served from the source but cannot be stored (the cache is read-only for this process)."""
 
+
+
+class UncachedFieldWarning(UserWarning):
+    """A ragged field's heap has no room left (the file system, or the cache's ``max_bytes``): samples that need
+    room are served from the source, uncached. Warned once per field and process; ``mmapcache inspect`` counts
+    them."""

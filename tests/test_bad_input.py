@@ -85,9 +85,7 @@ def test_unusable_dataset(untouched: Any, cache_path: str, dataset: Any, exc: ty
 
 
 @pytest.mark.parametrize("sample, match", [
-    (("text", 1), r"sample 0: field '0': unsupported leaf type builtins\.str; encode text"),
     ((None, 1), r"sample 0: field '0': unsupported leaf type builtins\.NoneType"),
-    ({"x": b"raw"}, r"sample 0: field 'x': unsupported leaf type builtins\.bytes"),
     (np.array(["a", "b"]), r"numpy array of dtype <U1 cannot be cached|numpy array of dtype"),
     (np.array([object()]), r"numpy array of dtype object cannot be cached"),
     ({1: torch.zeros(2)}, r"dict key 1 is a int, expected str"),
@@ -99,8 +97,8 @@ def test_sample_with_an_unsupported_leaf(untouched: Any, cache_path: str, sample
 
 
 @pytest.mark.parametrize("samples, match", [
-    ([torch.zeros(3), torch.zeros(4)], r"sample 1, field '<sample>': expected shape \(3,\), found \(4,\); .*"
-                                       r"max_shapes=\{'<sample>': \(4,\)\}"),
+    ([torch.zeros(3), torch.zeros(4)], r"sample 1, field '<sample>': expected shape \(3,\), found \(4,\): .*"
+                                       r"ragged=\['<sample>'\].*ragged='auto'.*max_shapes="),
     ([(torch.zeros(3), 1), (torch.zeros(3),)], r"sample 1 has a different structure .*expected tuple\(leaf, leaf\), "
                                                 r"found tuple\(leaf\)"),
     ([{"a": 1}, {"b": 1}], r"sample 1 has a different structure .*expected dict\(a: leaf\), found dict\(b: leaf\)"),
@@ -169,7 +167,7 @@ def test_bad_batch_indices(ds: MmapCachedDataset, indices: Any, exc: type, match
     ({"max_bytes": 1.5}, TypeError, r"max_bytes must be a byte count or a size like '8G', got float"),
     ({"max_bytes": True}, TypeError, r"max_bytes must be a byte count or a size like '8G', got True"),
     ({"max_bytes": "lots"}, ValueError, r"max_bytes='lots' is not a size; .*\(e\.g\. '8G'\)"),
-    ({"max_bytes": 10}, ValueError, r"max_bytes=10 is smaller than one sample \(204 bytes with 1 variant\(s\)\)"),
+    ({"max_bytes": 10}, ValueError, r"max_bytes=10 is smaller than one sample \(212 bytes with 1 variant\(s\)\)"),
     ({"variants": 0}, ValueError, r"variants must be an integer >= 1, got 0"),
     ({"variants": 2.0}, ValueError, r"variants must be an integer >= 1, got 2\.0"),
     ({"variants": True}, ValueError, r"variants must be an integer >= 1, got True"),

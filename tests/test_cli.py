@@ -42,7 +42,7 @@ def test_inspect_json_keys_and_numbers(cache_path: str, capsys: pytest.CaptureFi
     info = json.loads(out)
     assert {"path", "format_version", "length", "filled", "fraction", "bytes", "fingerprint", "fields", "slots",
             "variants", "stale", "users"} <= set(info)
-    assert info["path"] == cache_path and info["format_version"] == 1
+    assert info["path"] == cache_path and info["format_version"] == 2
     assert (info["length"], info["slots"], info["variants"], info["filled"], info["stale"]) == (40, 40, 1, 10, 3)
     assert info["fraction"] == pytest.approx(0.25) and info["fingerprint"] == "v1"
     assert info["fields"][0] == {"name": "0", "kind": "tensor", "dtype": "uint8", "shape": [3, 8, 8],

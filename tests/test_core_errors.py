@@ -67,7 +67,7 @@ def test_errors_raised_by_real_calls_pickle_with_their_message(cache_path: str, 
         _raised(lambda: ro[2]),
         _raised(lambda: mmapcache.MmapCachedDataset(cache_path, ImageLabels(5))),
         _raised(lambda: mmapcache.MmapCachedDataset(f"{shm_dir}/nothing")),
-        _raised(lambda: mmapcache.MmapCachedDataset(f"{shm_dir}/strings", ["text"] * 3)),
+        _raised(lambda: mmapcache.MmapCachedDataset(f"{shm_dir}/nones", [None] * 3)),
     ]
     ro.close()
     expected = [errors.SampleNotCachedError, errors.CacheMismatchError, errors.CacheNotFoundError, errors.LayoutError]

@@ -102,7 +102,7 @@ def test_meta_json_matches_the_raw_bytes(cache_path: str) -> None:
     _make(cache_path).close()
     with open(os.path.join(cache_path, "meta.json"), encoding="utf-8") as f:
         meta = json.load(f)
-    assert meta["magic"] == "mmapcache" and meta["format_version"] == 1
+    assert meta["magic"] == "mmapcache" and meta["format_version"] == 2
     assert meta["library_version"] == mmapcache.__version__
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", meta["created"])
     assert (meta["length"], meta["slots"], meta["variants"], meta["rows"]) == (N, N, 1, N)
@@ -142,10 +142,14 @@ def test_meta_json_matches_the_raw_bytes(cache_path: str) -> None:
     assert os.path.getsize(os.path.join(cache_path, "seq.u32")) == 4 * N
     assert os.path.getsize(os.path.join(cache_path, "lock")) == 0
     assert os.path.getsize(os.path.join(cache_path, "users")) == 0
+    assert os.path.getsize(os.path.join(cache_path, "heaps.u64")) == 0  # no ragged field
+    keys = _bytes(os.path.join(cache_path, "keys.i64"))
+    assert [int.from_bytes(keys[8 * i: 8 * i + 8], "little", signed=True) for i in FILLED] == sorted(FILLED)
     bits = _bytes(os.path.join(cache_path, "filled.bits"))
     assert bits == bytes([sum(1 << b for b in range(8) if 8 * k + b in FILLED) for k in range(len(bits))])
     assert sorted(os.listdir(cache_path)) == sorted(
-        ["meta.json", "filled.bits", "stale.bits", "seq.u32", "lock", "users"] + [f"{n}.npy" for n in fields])
+        ["meta.json", "filled.bits", "stale.bits", "seq.u32", "keys.i64", "heaps.u64", "lock", "users"]
+        + [f"{n}.npy" for n in fields])
 
 
 def test_slot_index_and_prefix_caches(shm_dir: str) -> None:

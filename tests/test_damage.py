@@ -100,8 +100,24 @@ def _edit_meta(path: str, **changes: object) -> None:
 
 
 def test_future_format_version(filled_cache: str) -> None:
-    _edit_meta(filled_cache, format_version=2)
-    _open_fails(filled_cache, r"format version 2, this mmapcache reads version 1; upgrade mmapcache")
+    _edit_meta(filled_cache, format_version=3)
+    _open_fails(filled_cache, r"format version 3, this mmapcache reads version 2; upgrade mmapcache")
+
+
+def test_version_1_cache_is_refused_with_the_rebuild_command(filled_cache: str) -> None:
+    _edit_meta(filled_cache, format_version=1)
+    _open_fails(filled_cache, r"format version 1, written by an older mmapcache; this mmapcache reads version 2\. "
+                              r"A cache is derived data: rebuild it \(`mmapcache rm --force .*`, then open it with its "
+                              r"source dataset or run `mmapcache build`\)")
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"mode": "stream"}, r"mode 'stream', which this mmapcache does not read; upgrade mmapcache"),
+    ({"share": {"node": 0, "nodes": 2}}, r"a node share, which this mmapcache does not read; upgrade mmapcache"),
+])
+def test_reserved_modes_are_refused_by_name(filled_cache: str, changes: dict, match: str) -> None:
+    _edit_meta(filled_cache, **changes)
+    _open_fails(filled_cache, match)
 
 
 def test_wrong_magic(filled_cache: str) -> None:

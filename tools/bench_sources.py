@@ -179,7 +179,7 @@ def lock_publisher(mode: str, path: str, rows: list[int], poll: float, seconds: 
 
         own = state.lock
         state.lock = _Polled()
-    value = [np.zeros(f.shape, f.np_dtype) for f in reader.fields]
+    value = [np.zeros(f.shape, f.np_dtype) for f in reader.fields]  # fixed-shape fields only
     ready.set()
     if not go.wait(120):
         out.put((0, 0.0, 0.0))

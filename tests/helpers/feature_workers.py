@@ -178,7 +178,7 @@ def die_mid_write(path: str, n: int, shape: tuple[int, ...], index: int, started
         time.sleep(120)  # killed long before
 
     reader.state.mark_stale(np.array([row]))  # a rewrite goes through the real protocol: stale, then publish
-    reader.state.publish(row, half_write)
+    reader.state.publish(row, index, half_write)
 
 
 def rewrite_forever(path: str, n: int, shape: tuple[int, ...], ready: str, seconds: float) -> None:

@@ -1,0 +1,145 @@
+"""Collating batches with ragged values: ``PadCollate`` pads them into one tensor and says each one's length.
+
+``DataLoader(ds, collate_fn=PadCollate(pad_value=0))`` works over any dataset. ``ds.loader(collate_fn=PadCollate(
+...))`` over an ``MmapCachedDataset`` gives the same batches, but pads straight from the cache's heaps: a batch of
+1-D values (token ids) is one vectorised scatter, with no per-sample Python.
+
+What a padded leaf becomes is a ``Padded(data, lengths, mask)``: ``data`` of shape ``(B, *max_shape)`` filled with
+``pad_value`` past each value's end, ``lengths`` each value's size (``(B,)`` for 1-D values, else ``(B, ndim)``, its
+shape), and ``mask`` a boolean tensor of ``data``'s shape that is True on real elements (with ``mask=True``; else
+None). Leaves that are not padded are collated as ``torch.utils.data.default_collate`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+__all__ = ["PadCollate", "Padded"]
+
+
+class Padded(NamedTuple):
+    """A batch of ragged values padded to the largest (see the module docstring)."""
+
+    data: torch.Tensor
+    lengths: torch.Tensor
+    mask: torch.Tensor | None
+
+
+class PadCollate:
+    """A ``collate_fn`` that pads ragged leaves (token ids, boxes, variable-size images) into ``Padded`` batches.
+
+    Args:
+        pad_value: the value written past each value's end.
+        mask: also return a boolean mask of the real elements.
+        fields: the field paths to pad (``"input_ids"``, ``"0"``, ``"meta.tokens"``, as ``mmapcache`` names fields).
+            Default: over an ``MmapCachedDataset`` (``ds.loader``), its ragged array fields; over anything else,
+            every tensor, array or list of numbers whose shapes differ within the batch (so a batch whose values
+            happen to share one shape is stacked: pass ``fields`` for the same type in every batch).
+    """
+
+    def __init__(self, pad_value: int | float | bool = 0, *, mask: bool = False,
+                 fields: Iterable[str] | None = None) -> None:
+        if isinstance(pad_value, (np.generic,)):
+            pad_value = pad_value.item()
+        if not isinstance(pad_value, (int, float, bool)):
+            raise TypeError(f"pad_value must be a number, got {type(pad_value).__name__}")
+        if not isinstance(mask, bool):
+            raise TypeError(f"mask must be True or False, got {type(mask).__name__}")
+        self.pad_value = pad_value
+        self.mask = mask
+        self.fields = None if fields is None else frozenset(fields)
+
+    def __call__(self, batch: list[Any]) -> Any:
+        return self._collate(batch, "")
+
+    def _collate(self, values: list[Any], path: str) -> Any:
+        first = values[0]
+        if isinstance(first, Mapping):
+            return {key: self._collate([v[key] for v in values], _join(path, key)) for key in first}
+        if isinstance(first, tuple) and hasattr(type(first), "_fields"):
+            return type(first)(*(self._collate([v[i] for v in values], _join(path, str(i)))
+                                 for i in range(len(first))))
+        if isinstance(first, (tuple, list)) and not _is_number_list(first):
+            return [self._collate([v[i] for v in values], _join(path, str(i))) for i in range(len(first))]
+        if isinstance(first, (torch.Tensor, np.ndarray, list)) and self._pads(path, values):
+            arrays = [_as_numpy(v) for v in values]
+            counts = np.array([a.size for a in arrays], np.int64)
+            flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.empty(0)
+            shapes = np.array([a.shape for a in arrays], np.int64).reshape(len(arrays), -1)
+            return self.pad(flat, counts, shapes, _torch_dtype(first))
+        return default_collate(values)
+
+    def _pads(self, path: str, values: list[Any]) -> bool:
+        if self.fields is not None:
+            return (path or "<sample>") in self.fields
+        shapes = {tuple(np.shape(v)) for v in values}
+        return len(shapes) > 1
+
+    def pad(self, flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, dtype: torch.dtype | None) -> Padded:
+        """Pads values given back to back (``flat``, C order), ``counts`` elements each, of ``shapes`` ``(B, ndim)``."""
+        data = pad_flat(flat, counts, shapes, self.pad_value)
+        tensor = torch.from_numpy(data)
+        if dtype is not None and tensor.dtype != dtype:
+            tensor = tensor.view(dtype) if tensor.element_size() == _element_size(dtype) else tensor.to(dtype)
+        lengths = torch.from_numpy(shapes[:, 0].copy() if shapes.shape[1] == 1 else shapes.copy())
+        mask = None
+        if self.mask:
+            mask = torch.from_numpy(pad_flat(np.ones(len(flat), np.bool_), counts, shapes, False))
+        return Padded(tensor, lengths, mask)
+
+
+def pad_flat(flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, pad_value: Any) -> np.ndarray:
+    """A ``(B, *max_shape)`` array of the values given back to back, padded with ``pad_value``.
+
+    1-D values take one vectorised scatter (no Python per sample); others are copied one by one.
+    """
+    batch, ndim = shapes.shape
+    largest = tuple(int(d) for d in shapes.max(axis=0)) if batch else (0,) * ndim
+    out = np.full((batch, *largest), pad_value, dtype=flat.dtype)
+    if ndim == 1:
+        total = int(counts.sum())
+        if total:
+            starts = np.cumsum(counts) - counts
+            rows = np.repeat(np.arange(batch), counts)
+            cols = np.arange(total) - np.repeat(starts, counts)
+            out[rows, cols] = flat
+        return out
+    start = 0
+    for k, (count, shape) in enumerate(zip(counts.tolist(), shapes.tolist())):
+        out[(k, *(slice(0, d) for d in shape))] = flat[start:start + count].reshape(shape)
+        start += count
+    return out
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _is_number_list(value: Any) -> bool:
+    probe = value
+    while type(probe) is list and probe:
+        probe = probe[0]
+    return type(value) is list and type(probe) in (int, float, bool)
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        tensor = value.as_subclass(torch.Tensor).detach()
+        try:
+            return tensor.numpy()
+        except TypeError:  # bfloat16 and other dtypes numpy lacks: their bits, viewed back after padding
+            return tensor.view(getattr(torch, f"uint{8 * tensor.element_size()}")).numpy()
+    return np.asarray(value)
+
+
+def _torch_dtype(value: Any) -> torch.dtype | None:
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

@@ -1,0 +1,319 @@
+"""Every sample a real dataset returns: str, bytes, ragged arrays found without options, Python lists of numbers,
+tensor subclasses with their attributes; stored exactly, read alike on hits, misses and batches."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import tvlike
+from torch.utils.data import DataLoader
+
+from mmapcache import LayoutError, MmapCachedDataset, PadCollate, Padded, UncachedFieldWarning
+from mmapcache._layout import MAX_FIELDS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Texts(torch.utils.data.Dataset):
+    """Captions (unicode, empty ones included), raw bytes, ragged token ids and a label."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        rng = np.random.default_rng(i)
+        length = int(rng.integers(16, 513))
+        return {"caption": "é✓ 猫 " * (i % 4) + f"#{i}" if i % 9 else "", "raw": bytes(range(i % 7)) * 3,
+                "input_ids": torch.from_numpy(rng.integers(0, 50_000, length)), "label": i}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return type(b) is torch.Tensor and a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def test_str_bytes_and_ragged_tokens_round_trip_on_miss_hit_and_batch(cache_path: str) -> None:
+    n = 60
+    src = Texts(n)
+    ds = MmapCachedDataset(cache_path, src, ragged="auto")
+    fields = {f.name: f for f in ds._store.layout.fields}
+    assert fields["caption"].kind == "str" and fields["raw"].kind == "bytes"
+    assert fields["input_ids"].ragged and fields["input_ids"].shape == (-1,)  # found by probing
+    for i in range(n):  # misses (except the probes), then hits
+        assert _equal(ds[i], src[i]), i
+    for i in range(n):
+        assert _equal(ds[i], src[i]), i
+    batch = list(range(0, n, 3))
+    assert all(_equal(s, src[i]) for s, i in zip(ds.__getitems__(batch), batch))
+    loaded = next(iter(ds.loader(batch_size=n)))
+    assert loaded["caption"] == [src[i]["caption"] for i in range(n)]
+    assert loaded["raw"] == [src[i]["raw"] for i in range(n)]
+    assert isinstance(loaded["input_ids"], list) and all(torch.equal(a, src[i]["input_ids"])
+                                                         for i, a in enumerate(loaded["input_ids"]))
+    assert torch.equal(loaded["label"], torch.arange(n))
+    ds.close()
+
+
+def test_ragged_batches_with_misses_are_exact(cache_path: str) -> None:
+    """A batch mixing hits and misses: the misses are patched into the gathered ragged columns."""
+    src = Texts(40)
+    ds = MmapCachedDataset(cache_path, src, ragged=["input_ids"])
+    for i in range(0, 40, 2):
+        ds[i]
+    indices = list(range(40))
+    assert all(_equal(s, src[i]) for s, i in zip(ds.__getitems__(indices), indices))
+    ds.refresh(indices=range(0, 40, 5))
+    padded = ds.read_batch(indices, pad=PadCollate(-7, mask=True))["input_ids"]
+    for k, i in enumerate(indices):
+        tokens = src[i]["input_ids"]
+        assert torch.equal(padded.data[k, : len(tokens)], tokens) and (padded.data[k, len(tokens):] == -7).all()
+        assert padded.lengths[k] == len(tokens) and padded.mask[k].sum() == len(tokens)
+    ds.close()
+
+
+def test_pad_collate_fused_in_the_loader_equals_it_over_any_dataset(cache_path: str) -> None:
+    src = Texts(50)
+    ds = MmapCachedDataset(cache_path, src, ragged=["input_ids"])
+    collate = PadCollate(0, mask=True)
+    plain = DataLoader(src, batch_size=16, collate_fn=collate)
+    for _ in range(2):  # cold, then warm
+        for fused, reference in zip(ds.loader(batch_size=16, collate_fn=collate), plain):
+            assert isinstance(fused["input_ids"], Padded)
+            for name in ("data", "lengths", "mask"):
+                assert torch.equal(getattr(fused["input_ids"], name), getattr(reference["input_ids"], name))
+            assert fused["caption"] == reference["caption"] and torch.equal(fused["label"], reference["label"])
+    ds.close()
+
+
+def test_a_shape_varying_only_in_rare_samples_says_to_declare_it_ragged(cache_path: str) -> None:
+    class Rare(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 100
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.zeros(5 if i == 3 else 4)
+
+    ds = MmapCachedDataset(cache_path, Rare(), ragged="auto")
+    with pytest.raises(LayoutError, match=r"field '<sample>': expected shape \(4,\), found \(5,\).*ragged=\['<sample>'\]"):
+        ds[3]
+    ds.close()
+    with MmapCachedDataset(cache_path, Rare(), ragged=["<sample>"], overwrite=True) as fixed:
+        assert fixed[3].shape == (5,) and fixed[4].shape == (4,)
+
+
+def test_ragged_heap_is_compact(cache_path: str) -> None:
+    """Token ids of lengths 16..512, no max_shapes: the heap holds the values' bytes plus growth slack."""
+    src = Texts(2000)
+    with MmapCachedDataset(cache_path, src, ragged=["input_ids"]) as ds:
+        ds.fill()
+        values = sum(src[i]["input_ids"].numel() * 8 for i in range(len(src)))
+        number = [f.name for f in ds._store.layout.ragged].index("input_ids")
+        end, capacity, abandoned, uncached = (int(x) for x in ds._store.heap_counters[number])
+        assert end == values and abandoned == 0 and uncached == 0
+        assert os.path.getsize(os.path.join(cache_path, "input_ids.heap")) == capacity
+        assert capacity <= 1.15 * values
+
+
+def test_rewrites_reuse_space_and_account_for_what_they_abandon(cache_path: str) -> None:
+    """refresh + fill rewrite values of a new size: one that fits is written in place, a larger one appended and
+    the old extent counted as abandoned."""
+    class Growing(torch.utils.data.Dataset):
+        calls = 0
+
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            Growing.calls += 1
+            return torch.full((10 + Growing.calls % 3 * 10,), i)
+
+    with MmapCachedDataset(cache_path, Growing(), deterministic=False, ragged=["<sample>"]) as ds:
+        ds.fill()
+        for _ in range(5):
+            ds.refresh(indices=range(10))
+            ds.fill()
+            assert all((ds[i] == i).all() for i in range(10))
+        end, _, abandoned, _ = (int(x) for x in ds._store.heap_counters[0])
+        live = sum(ds[i].numel() * 8 for i in range(10))
+        assert end - abandoned == live
+
+
+def test_a_full_heap_budget_serves_samples_uncached_and_warns_once(cache_path: str) -> None:
+    src = Texts(300)
+    with pytest.warns(UncachedFieldWarning, match=r"no room left in the cache's heap budget .* field "):
+        ds = MmapCachedDataset(cache_path, src, max_bytes=200_000, ragged="auto")
+        got = [ds[i] for i in range(len(src))]
+    assert all(_equal(g, src[i]) for i, g in enumerate(got))
+    uncached = int(ds._store.heap_counters[:, 3].sum())
+    assert uncached > 0 and ds.num_cached + uncached == ds.num_cacheable
+    assert ds.num_cached > ds.num_cacheable // 2  # the budget went to the heap that needed it
+    assert sum(os.path.getsize(os.path.join(cache_path, f)) for f in os.listdir(cache_path)) <= 200_000 + 64_000
+    ds.close()
+
+
+def test_heap_growth_seen_by_a_reader_that_mapped_it_small(cache_path: str) -> None:
+    """A reader opened while the heap was small meets values stored past its mapping and maps again."""
+    src = Texts(400)
+    reader = MmapCachedDataset(cache_path, src, ragged=["input_ids"])
+    first_size = reader._store.heaps[[f.name for f in reader._store.layout.fields].index("input_ids")].size
+    with MmapCachedDataset(cache_path, src, ragged=["input_ids"]) as writer:
+        writer.fill()
+    assert os.path.getsize(os.path.join(cache_path, "input_ids.heap")) > first_size
+    assert all(_equal(reader[i], src[i]) for i in range(len(src)))
+    assert all(_equal(s, src[i]) for i, s in enumerate(reader.__getitems__(list(range(len(src))))))
+    reader.close()
+
+
+# --- Python lists (Hugging Face's default format) --------------------------------------------------------------
+
+
+def test_python_lists_of_numbers_are_one_field_returned_as_lists(cache_path: str) -> None:
+    rows = [{"pixels": [[[(i + y + x) % 256 for _ in range(3)] for x in range(32)] for y in range(32)],
+             "scores": [0.5 * i, 1.0], "flags": [True, i % 2 == 0], "tokens": list(range(i % 9 + 1)), "label": i}
+            for i in range(20)]
+    ds = MmapCachedDataset(cache_path, rows)
+    layout = ds._store.layout
+    assert len(layout.fields) == 5 and {f.kind for f in layout.fields} == {"pylist", "int"}
+    assert len(os.listdir(cache_path)) < 20
+    for _ in range(2):
+        for i, row in enumerate(rows):
+            assert ds[i] == row and type(ds[i]["scores"][0]) is float and type(ds[i]["flags"][0]) is bool
+    assert ds.__getitems__([3, 1]) == [rows[3], rows[1]]
+    ds.close()
+
+
+def test_too_many_fields_is_refused_before_anything_is_created(untouched: Any, cache_path: str) -> None:
+    sample = [torch.zeros(2) for _ in range(MAX_FIELDS + 1)]
+    untouched(LayoutError, r"the sample has 257 fields \(the limit is 256.*with_format\('torch'\)",
+              lambda: MmapCachedDataset(cache_path, [sample]))
+
+
+def test_running_out_of_file_descriptors_leaves_nothing_behind(shm_dir: str) -> None:
+    """EMFILE during creation (many fields under a low open-file limit) cleans up its scratch directory."""
+    script = textwrap.dedent(f"""
+        import resource, torch
+        from mmapcache import MmapCachedDataset
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        sample = {{f"f{{k}}": torch.zeros(2) for k in range(200)}}
+        try:
+            MmapCachedDataset({os.path.join(shm_dir, "c")!r}, [sample, sample])
+        except OSError as exc:
+            print("EMFILE" if exc.errno == 24 else exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "EMFILE" in out.stdout, out.stdout + out.stderr
+    assert os.listdir(shm_dir) == []
+
+
+# --- tensor subclasses (torchvision's tv_tensors) --------------------------------------------------------------
+
+
+def test_tensor_subclasses_keep_class_and_metadata_on_every_path(cache_path: str) -> None:
+    src = tvlike.Detection(30)
+    ds = MmapCachedDataset(cache_path, src, ragged=["boxes"])
+    first = ds[0]  # stored by the creator
+    assert type(first["boxes"]) is tvlike.BoundingBoxes and first["boxes"].format is tvlike.BoundingBoxFormat.XYWH
+    for _ in range(2):  # misses, then hits
+        for i in range(len(src)):
+            assert tvlike.same_tv(ds[i], src[i]), i
+    assert all(tvlike.same_tv(s, src[i]) for i, s in enumerate(ds.__getitems__(list(range(len(src))))))
+    ds.close()
+
+
+def test_tensor_subclasses_in_spawned_dataloader_workers(cache_path: str) -> None:
+    src = tvlike.Detection(24)
+    ds = MmapCachedDataset(cache_path, src, ragged="auto")
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    for i, sample in enumerate(loader):
+        assert tvlike.same_tv(sample, src[i]), i
+    ds.close()
+
+
+def test_metadata_that_json_cannot_hold_is_refused_naming_the_attribute(untouched: Any, cache_path: str) -> None:
+    bad = tvlike.image(torch.zeros(2))
+    bad.origin = object()
+    untouched(LayoutError, r"attribute 'origin' of the Image tensor is a builtins.object.*nothing is pickled",
+              lambda: MmapCachedDataset(cache_path, [bad, bad]))
+
+
+def test_a_class_not_loaded_in_the_reader_is_a_clear_error(cache_path: str) -> None:
+    MmapCachedDataset(cache_path, tvlike.Detection(4), ragged=["boxes"]).close()
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {HERE!r})
+        from mmapcache import MmapCachedDataset, LayoutError
+        try:
+            MmapCachedDataset({cache_path!r})
+        except LayoutError as exc:
+            print("REFUSED", exc)
+        import helpers.tvlike
+        print(type(MmapCachedDataset({cache_path!r})[0]["image"]).__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "REFUSED field 'image' holds helpers.tvlike.Image tensors, and that class is not loaded" in out.stdout, \
+        out.stdout + out.stderr
+    assert "import helpers" in out.stdout and out.stdout.strip().endswith("Image")
+
+
+def test_meta_json_records_the_class_and_ragged_shape(cache_path: str) -> None:
+    MmapCachedDataset(cache_path, tvlike.Detection(10), ragged="auto").close()
+    with open(os.path.join(cache_path, "meta.json")) as f:
+        fields = {f["name"]: f for f in json.load(f)["fields"]}
+    assert fields["boxes"]["class"] == ["helpers.tvlike", "BoundingBoxes"] and fields["boxes"]["shape"] == [-1, 4]
+    assert fields["boxes"]["ragged"] and fields[fields["boxes"]["metadata"] and "boxes#meta"]["kind"] == "json"
+
+
+def test_transform_receives_the_typed_sample(cache_path: str) -> None:
+    """A v2-style transform sees BoundingBoxes with their format on a hit too (flipping boxes needs it)."""
+    seen = []
+
+    def transform(sample: dict[str, Any]) -> dict[str, Any]:
+        seen.append((type(sample["boxes"]), sample["boxes"].format, sample["boxes"].canvas_size))
+        return sample
+
+    src = tvlike.Detection(6)
+    with MmapCachedDataset(cache_path, src, transform=transform, ragged=["boxes"]) as ds:
+        for i in [0, 1, 0, 1]:
+            ds[i]
+    assert seen == [(tvlike.BoundingBoxes, src[i]["boxes"].format, src[i]["boxes"].canvas_size) for i in [0, 1, 0, 1]]
+
+
+def test_concurrent_ragged_rewrites_never_show_a_torn_value(cache_path: str) -> None:
+    """Two processes rewrite ragged values of changing lengths (in place and appended) while two read them; every
+    value encodes its (index, version) in every element and its length, so a torn read shows."""
+    from helpers.ragged_workers import RaggedVersioned, ragged_check_loop, ragged_rewrite_loop
+
+    n = 6
+    with MmapCachedDataset(cache_path, RaggedVersioned(n), stale="serve", deterministic=False,
+                           ragged=["values"]) as ds:
+        ds.fill()
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=ragged_rewrite_loop, args=(cache_path, n, w, 4.0, results)) for w in range(2)]
+    procs += [ctx.Process(target=ragged_check_loop, args=(cache_path, n, r, 4.0, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    reports = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    writers = [r for r in reports if r[0] == "writer"]
+    readers = [r for r in reports if r[0] == "reader"]
+    assert all(stored > 20 for _, stored, _ in writers), writers
+    assert all(checks > 500 for _, checks, _ in readers), readers
+    assert sum(torn for _, _, torn in readers) == 0, readers
