@@ -18,8 +18,24 @@ from typing import Any
 import numpy as np
 
 from ._layout import (
-    BOOL, BYTES, FLOAT, INT, JSON, NDARRAY, NPBYTES, NPSCALAR, NPSTR, PYLIST, STR, TENSOR, Field, Layout,
-    encode_metadata, find_class, fold, number_list,
+    BOOL,
+    BYTES,
+    FLOAT,
+    INT,
+    JSON,
+    NDARRAY,
+    NPBYTES,
+    NPSCALAR,
+    NPSTR,
+    PYLIST,
+    STR,
+    TENSOR,
+    Field,
+    Layout,
+    encode_metadata,
+    find_class,
+    fold,
+    number_list,
 )
 from .errors import CacheFormatError, LayoutError
 
@@ -317,9 +333,11 @@ def _compile_leaf(field: Field) -> Callable[[Any], Any]:
         text = field.kind in (STR, NPSTR)
 
         def check_text(x: Any) -> Any:
-            if type(x) is not expected_type:
+            found = type(x)  # compared apart from x, so type checkers keep x as Any
+            if found is not expected_type:
                 raise _Slow
-            return np.frombuffer(x.encode() if text else x, np.uint8)
+            data: Any = x.encode() if text else x
+            return np.frombuffer(data, np.uint8)
         return check_text
     if field.kind == PYLIST:
         list_dtype = field.np_dtype
@@ -360,7 +378,8 @@ def _compile_leaf(field: Field) -> Callable[[Any], Any]:
         return check_ndarray
     import torch
 
-    tensor_type, target = torch.Tensor, _torch_dtype(field)
+    tensor_type: type = torch.Tensor
+    target = _torch_dtype(field)
     if field.tensor_class is not None:
         found = find_class(*field.tensor_class)
         tensor_type = found if isinstance(found, type) else type(None)  # unknown: the slow path explains
@@ -372,9 +391,10 @@ def _compile_leaf(field: Field) -> Callable[[Any], Any]:
     subclass = field.tensor_class is not None
 
     def check_tensor(x: Any) -> Any:
-        if subclass and type(x) is tensor_type:
+        found = type(x)  # compared apart from x, so type checkers keep x as Any
+        if subclass and found is tensor_type:
             x = x.as_subclass(plain)
-        elif type(x) is not tensor_type or subclass:
+        elif found is not tensor_type or subclass:
             raise _Slow
         if x.dtype != target or x.requires_grad or x.is_conj() or x.is_neg() \
                 or x.device.type != "cpu" or not shape_ok(tuple(x.shape)):

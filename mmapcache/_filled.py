@@ -34,7 +34,7 @@ from ._format import FILLED, KEYS, LOCK, SEQ, STALE
 from .errors import CacheFormatError, CacheReadOnlyError
 
 
-class NoRoom(Exception):  # noqa: N818 - a signal between the writer and publish, never seen by users
+class NoRoom(Exception):
     """Raised by a row's ``write`` before it writes anything: a heap has no room for the value."""
 
 

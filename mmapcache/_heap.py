@@ -51,8 +51,9 @@ class Heap:
         self.size = 0
         self.remap()
         if int(counters[END]) > self.size:
-            raise CacheFormatError(f"{self.path} has {self.size} bytes but its counters in heaps.u64 say {int(counters[END])} "
-                                   "are in use: the file is truncated; remove the cache and build it again")
+            raise CacheFormatError(f"{self.path} has {self.size} bytes but its counters in heaps.u64 say "
+                                   f"{int(counters[END])} are in use: the file is truncated; remove the cache and "
+                                   "build it again")
 
     def remap(self) -> None:
         """Maps the heap at its current size, if it grew since the last mapping."""
@@ -74,14 +75,15 @@ class Heap:
 
     # --- writing (caller holds the writer lock) ----------------------------------------------------------------
 
-    def allocate(self, old_offset: int, old_nbytes: int, nbytes: int, align: int, budget_left: int | None) -> int | None:
+    def allocate(self, old_offset: int, old_nbytes: int, nbytes: int, align: int,
+                 budget_left: int | None) -> int | None:
         """Where to write a value of ``nbytes`` for a row whose previous extent is ``(old_offset, old_nbytes)``.
 
         Returns the offset, or None when there is no room (``uncached`` is counted). Caller holds the writer lock.
         """
         c = self.counters
         end = int(c[END])
-        if nbytes <= old_nbytes and 0 <= old_offset and old_offset + old_nbytes <= end:
+        if nbytes <= old_nbytes and old_offset >= 0 and old_offset + old_nbytes <= end:
             c[ABANDONED] += old_nbytes - nbytes  # the tail this row no longer uses
             return old_offset
         offset = -(-end // align) * align
@@ -97,7 +99,7 @@ class Heap:
                 return None
             c[CAPACITY] = grown
         c[END] = need
-        if old_nbytes > 0 and 0 <= old_offset and old_offset + old_nbytes <= end:
+        if old_nbytes > 0 and old_offset >= 0 and old_offset + old_nbytes <= end:
             c[ABANDONED] += old_nbytes
         c[ABANDONED] += offset - end  # alignment padding
         return offset

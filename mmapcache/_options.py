@@ -50,7 +50,7 @@ class CreateOptions:
     @property
     def declared_ragged(self) -> tuple[str, ...]:
         """The field paths named ragged (none for ``"auto"``, which probes instead)."""
-        return () if self.ragged in (None, "auto") else self.ragged  # type: ignore[return-value]
+        return () if self.ragged in (None, "auto") else self.ragged
 
     def plan(self, layout: Layout, length: int, default_variants: int = 1,
              ragged_bytes: int = 0) -> tuple[int, np.ndarray | None, int]:

@@ -90,7 +90,8 @@ class Store:
         self._finalizer = weakref.finalize(self, _release, self._maps, self._fds, self.heaps)
         try:
             ragged = len(self.layout.ragged)
-            self._maps.append(map_exact(path, fmt.HEAPS, 32 * ragged, mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ, writable))
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            self._maps.append(map_exact(path, fmt.HEAPS, 32 * ragged, access, writable))
             self.heap_counters = np.frombuffer(self._maps[-1], "<u8", count=4 * ragged).reshape(ragged, 4)
             for field, spec in zip(self.layout.fields, self.meta["fields"]):
                 if field.ragged:

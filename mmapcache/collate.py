@@ -111,7 +111,7 @@ def pad_flat(flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, pad_value
         return out
     start = 0
     for k, (count, shape) in enumerate(zip(counts.tolist(), shapes.tolist())):
-        out[(k, *(slice(0, d) for d in shape))] = flat[start:start + count].reshape(shape)
+        out[(k, *(slice(0, d) for d in shape))] = flat[start:start + count].reshape(shape)  # type: ignore[index]
         start += count
     return out
 
