@@ -51,6 +51,9 @@ MAX_FIELDS = 256
 # Containers may nest this deep (the outermost container is level 1). Far more than real samples use, and far
 # less than Python's recursion limit, so every walker here and in ``_codec`` stays a plain recursion.
 MAX_DEPTH = 64
+# Arrays (and nested lists of numbers) may have at most this many dimensions (numpy arrays have at most 64, and a
+# cache adds one for its rows).
+MAX_DIMS = 32
 
 # torch dtypes without a numpy equivalent are stored as an unsigned integer of the same width and viewed back.
 _RAW_BY_ITEMSIZE = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
@@ -189,11 +192,12 @@ def flatten(sample: Any) -> tuple[Any, list[Leaf]]:
 
 
 def _flatten(obj: Any, path: str, leaves: list[Leaf], depth: int) -> Any:
-    if type(obj) is list:
+    if type(obj) is list and (obj or path):  # a whole sample of [] has no field: refused as such
         numbers = number_list(obj)
         if numbers is not None:  # one array field, not one field per number (Hugging Face's python format)
-            leaves.append(Leaf(Field(path or "<sample>", PYLIST, numbers.dtype.str, numbers.shape), numbers))
-            return {"leaf": len(leaves) - 1}
+            if depth + numbers.ndim > MAX_DEPTH:
+                raise LayoutError(_too_deep(path))
+            return _append(leaves, Leaf(Field(path or "<sample>", PYLIST, numbers.dtype.str, numbers.shape), numbers))
     if isinstance(obj, (tuple, list, dict)):
         depth += 1
         if depth > MAX_DEPTH:
@@ -215,18 +219,29 @@ def _flatten(obj: Any, path: str, leaves: list[Leaf], depth: int) -> Any:
                 )
             items.append([key, _flatten(value, _join(path, key), leaves, depth)])
         return {"dict": items}
-    leaves.append(_leaf(obj, path or "<sample>"))
+    return _append(leaves, _leaf(obj, path or "<sample>"))
+
+
+def _append(leaves: list[Leaf], leaf: Leaf) -> dict[str, int]:
+    if len(leaf.field.shape) > MAX_DIMS:
+        raise LayoutError(f"field {leaf.field.name!r}: an array of {len(leaf.field.shape)} dimensions (the limit is "
+                          f"{MAX_DIMS}); reshape it in the wrapped dataset")
+    leaves.append(leaf)
     return {"leaf": len(leaves) - 1}
 
 
 def number_list(obj: list) -> np.ndarray | None:
     """A regular (nested) list of Python numbers of one type as one array, else None (a container of fields).
 
-    ``[]`` is an empty float64 array (its type cannot be known). Lists mixing types (ints and floats), big ints that do not fit int64, ragged nesting and anything but numbers are not arrays.
+    ``[]`` is an empty float64 array (its type cannot be known). Lists mixing types (ints and floats), big ints
+    that do not fit int64, ragged nesting and anything but numbers are not arrays.
     """
     probe: Any = obj
+    depth = 0
     while type(probe) is list and probe:
-        probe = probe[0]
+        probe, depth = probe[0], depth + 1
+        if depth > MAX_DEPTH:
+            return None  # containers, then: the depth limit explains it
     if type(probe) is list:
         numbers_type: Any = np.float64
     elif type(probe) in (int, float, bool):
@@ -461,8 +476,10 @@ class Layout:
             raise LayoutError(f"field(s) {both} are named in both max_shapes and ragged; choose one (ragged packs "
                               "values of any size; max_shapes reserves the maximum in every row)")
         fields = []
-        for leaf, shapes in zip(leaves, seen):
+        for number, (leaf, shapes) in enumerate(zip(leaves, seen)):
             field = leaf.field
+            if field.kind == PYLIST and leaf.value.size == 0:
+                field = replace(field, dtype=_probed_list_dtype(samples[1:], structure, number, field.dtype))
             if field.name in max_shapes:
                 limit = tuple(int(d) for d in max_shapes[field.name])
                 _check_fits(field, limit, field.shape, None)
@@ -502,9 +519,13 @@ class Layout:
                 def what(f: Field) -> str:
                     kind = f"{f.tensor_class[0]}.{f.tensor_class[1]}" if f.tensor_class else f.kind
                     return f"{kind} of dtype {f.torch_dtype or f.dtype}"
+                hint = ""
+                if field.kind == PYLIST == found.kind:
+                    hint = (" (a list of numbers takes its element type from the first sample, float64 if that list "
+                            "was empty; ragged='auto' learns it from more samples)")
                 raise LayoutError(
                     f"sample {index}, field {field.name!r}: expected {what(field)}, found {what(found)}; "
-                    "make the wrapped dataset return the same types for every index"
+                    f"make the wrapped dataset return the same types for every index{hint}"
                 )
             if field.variable:
                 _check_fits(field, field.shape, found.shape, index)
@@ -512,6 +533,21 @@ class Layout:
                 raise LayoutError(_shape_message(field, found.shape, index))
             values.append(value)
         return values
+
+
+def _probed_list_dtype(probes: Sequence[Any], structure: Any, number: int, default: str) -> str:
+    """An empty list has no element type: take it from the first probe with a non-empty list there, else
+    ``default`` (float64)."""
+    for probe in probes:
+        try:
+            probe_structure, probe_leaves = flatten(probe)
+        except LayoutError:
+            continue
+        if probe_structure == structure and number < len(probe_leaves):
+            leaf = probe_leaves[number]
+            if leaf.field.kind == PYLIST and leaf.value.size:
+                return leaf.field.dtype
+    return default
 
 
 def _ragged_field(field: Field, shapes: set[tuple[int, ...]], declared: bool) -> Field:

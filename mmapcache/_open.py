@@ -32,7 +32,7 @@ import numpy as np
 from . import _admin, _create
 from ._codec import differing_field
 from ._create import plan_bytes
-from ._layout import Layout, flatten
+from ._layout import PYLIST, Layout, flatten
 from ._options import CreateOptions
 from ._reader import RowReader
 from ._rows import RowMap
@@ -178,7 +178,8 @@ def _create_locked(request: Request, source: Source) -> None:
     except LayoutError as exc:
         raise LayoutError(f"sample {index}: {exc}") from None
     samples = [(index, sample)]
-    if options.ragged == "auto" and any(f.shape and not f.ragged and not f.variable for f in layout.fields):
+    if options.ragged == "auto" and (any(f.shape and not f.ragged and not f.variable for f in layout.fields)
+                                     or _has_empty_list(sample)):
         slots, slot_index, _ = options.plan(layout, source.length)
         cacheable = np.arange(slots) if slot_index is None else slot_index
         spread = cacheable[np.linspace(0, len(cacheable) - 1, _PROBES).astype(np.int64)]
@@ -219,6 +220,11 @@ def _create_locked(request: Request, source: Source) -> None:
         fingerprint=request.fingerprint, delete_on_close=request.delete_on_close, library_version=__version__,
         prepare=store_first, heap_budget=heap_budget, ragged_bytes=ragged_bytes,
     )
+
+
+def _has_empty_list(sample: Any) -> bool:
+    """Whether a list of numbers in ``sample`` is empty (its element type is then learnt from the probes)."""
+    return any(leaf.field.kind == PYLIST and leaf.value.size == 0 for leaf in flatten(sample)[1])
 
 
 def _ragged_bytes(layout: Layout, samples: list[Any]) -> int:
@@ -266,7 +272,8 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
     if options.ragged is not None and options.ragged != "auto":
         stored_fixed = sorted(set(options.ragged) - {f.name for f in store.layout.ragged})
         if stored_fixed:
-            return f"field(s) {stored_fixed} are stored with a fixed shape in the cache, ragged={list(options.ragged)} given"
+            return (f"field(s) {stored_fixed} are stored with a fixed shape in the cache, "
+                    f"ragged={list(options.ragged)} given")
     if options.max_shapes is not None:
         have_shapes = {f.name: f.shape for f in store.layout.fields if f.variable}
         if have_shapes != options.max_shapes:

@@ -49,7 +49,7 @@ def _nest(levels: int, inner: Any) -> Any:
 # --- samples without fields --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sample", [{}, (), [], {"a": ()}, ([], {})], ids=repr)
+@pytest.mark.parametrize("sample", [{}, (), [], {"a": ()}, ((), {})], ids=repr)
 def test_sample_without_fields_is_refused_as_a_layout_error(untouched: Any, cache_path: str, sample: Any) -> None:
     # Before: a CacheFormatError about the meta.json of a temporary directory ("no fields").
     untouched(LayoutError, r"sample 0: a sample needs at least one field .*return at least one value",
@@ -76,7 +76,7 @@ def test_nesting_at_the_limit_round_trips(cache_path: str) -> None:
 @pytest.mark.parametrize("levels", [MAX_DEPTH + 1, 600, 5000])
 def test_nesting_deeper_than_the_limit_is_refused(untouched: Any, cache_path: str, levels: int) -> None:
     # Before: RecursionError (600 levels and more), or a cache whose structure meta.json could not describe.
-    untouched(LayoutError, rf"sample 0: field '0\.0\.0.*': containers nested deeper than {MAX_DEPTH} levels",
+    untouched(LayoutError, rf"sample 0: field '0[.0]*': containers nested deeper than {MAX_DEPTH} levels",
               lambda: MmapCachedDataset(cache_path, Samples(lambda i: _nest(levels, 1))))
 
 
@@ -138,7 +138,7 @@ def test_sparse_tensor_is_still_told_to_densify(untouched: Any, cache_path: str)
 @pytest.mark.parametrize("sample, first, second", [
     ({"a.b": torch.zeros(2), "a": {"b": torch.zeros(3)}}, r"sample\['a\.b'\]", r"sample\['a'\]\['b'\]"),
     ({"a": {"b": torch.zeros(3)}, "a.b": torch.zeros(2)}, r"sample\['a'\]\['b'\]", r"sample\['a\.b'\]"),
-    ({"x": [1, 2], "x.1": 3}, r"sample\['x'\]\[1\]", r"sample\['x\.1'\]"),
+    ({"x": [torch.zeros(1), "b"], "x.1": 3}, r"sample\['x'\]\[1\]", r"sample\['x\.1'\]"),
     ((1, {"0.a": 2, "0": {"a": 3}}), r"sample\[1\]\['0\.a'\]", r"sample\[1\]\['0'\]\['a'\]"),
 ], ids=["key-first", "nested-first", "list-position", "inside-a-tuple"])
 def test_two_fields_with_one_path_are_refused(untouched: Any, cache_path: str, sample: Any, first: str,
@@ -175,7 +175,7 @@ def test_zero_dim_ndarray_comes_back_as_an_ndarray_from_a_batch(cache_path: str)
 # --- an unsupported leaf at a later index ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad, name", [(None, "NoneType"), ("text", "str")])
+@pytest.mark.parametrize("bad, name", [(None, "NoneType"), ({1, 2}, "set")])
 def test_unsupported_leaf_at_a_later_index_names_the_index(cache_path: str, bad: Any, name: str) -> None:
     with MmapCachedDataset(cache_path, Samples(lambda i: (torch.zeros(2) if i != 5 else bad, i))) as ds:
         ds[0]
@@ -186,8 +186,8 @@ def test_unsupported_leaf_at_a_later_index_names_the_index(cache_path: str, bad:
 
 def test_check_names_the_index_of_an_unsupported_leaf() -> None:
     layout = Layout.from_sample({"x": 1})
-    with pytest.raises(LayoutError, match=r"^sample 7: field 'x': unsupported leaf type builtins\.bytes"):
-        layout.check({"x": b"raw"}, 7)
+    with pytest.raises(LayoutError, match=r"^sample 7: field 'x': unsupported leaf type builtins\.object"):
+        layout.check({"x": object()}, 7)
 
 
 # --- a miss returns what a hit returns ---------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import tvlike
 from torch.utils.data import DataLoader
 
+from helpers import tvlike
 from mmapcache import LayoutError, MmapCachedDataset, PadCollate, Padded, UncachedFieldWarning
 from mmapcache._layout import MAX_FIELDS
 
@@ -109,7 +109,7 @@ def test_a_shape_varying_only_in_rare_samples_says_to_declare_it_ragged(cache_pa
             return torch.zeros(5 if i == 3 else 4)
 
     ds = MmapCachedDataset(cache_path, Rare(), ragged="auto")
-    with pytest.raises(LayoutError, match=r"field '<sample>': expected shape \(4,\), found \(5,\).*ragged=\['<sample>'\]"):
+    with pytest.raises(LayoutError, match=r"'<sample>': expected shape \(4,\), found \(5,\).*ragged=\['<sample>'\]"):
         ds[3]
     ds.close()
     with MmapCachedDataset(cache_path, Rare(), ragged=["<sample>"], overwrite=True) as fixed:
@@ -195,6 +195,19 @@ def test_python_lists_of_numbers_are_one_field_returned_as_lists(cache_path: str
             assert ds[i] == row and type(ds[i]["scores"][0]) is float and type(ds[i]["flags"][0]) is bool
     assert ds.__getitems__([3, 1]) == [rows[3], rows[1]]
     ds.close()
+
+
+def test_an_empty_first_list_takes_its_element_type_from_the_probes(cache_path: str) -> None:
+    # Token lists where sample 0's happens to be empty: the element type comes from the other probed samples.
+    tokens = [[] if i == 0 else list(range(i % 7 + 1)) for i in range(20)]
+    with MmapCachedDataset(cache_path, [{"ids": t} for t in tokens], ragged="auto") as ds:
+        assert [ds[i]["ids"] for i in range(20)] == tokens
+        assert all(type(x) is int for x in ds[3]["ids"])
+    # Without probes the type cannot be known (float64), and a later int list says why and what to do.
+    with MmapCachedDataset(cache_path + "-plain", [{"ids": t} for t in tokens], delete_on_close=True) as ds:
+        with pytest.raises(LayoutError, match=r"field 'ids': expected pylist of dtype <f8, found pylist of dtype "
+                                              r"<i8.*empty.*ragged='auto'"):
+            ds[1]
 
 
 def test_too_many_fields_is_refused_before_anything_is_created(untouched: Any, cache_path: str) -> None:

@@ -86,9 +86,10 @@ def test_a_full_cache_filled_to_the_last_byte_and_a_second_one_refused(tiny_tmpf
 
 
 def test_many_small_files_that_overflow_the_file_system(tiny_tmpfs: str) -> None:
-    """Each field is a file, and tmpfs gives every file whole pages: 400 tiny fields need 1.6 MB even though their
-    data is 400 bytes. Creation must fail cleanly (the fallocate or the header write hits ENOSPC)."""
-    source = [{f"f{k}": k for k in range(400)}] * 2
+    """Each field is a file, and tmpfs gives every file whole pages: 250 tiny fields (just under the 256-field
+    limit) need 1 MB even though their data is 2 KB. Creation must fail cleanly (the fallocate or the header write
+    hits ENOSPC)."""
+    source = [{f"f{k}": k for k in range(250)}] * 2
     path = os.path.join(tiny_tmpfs, "cache")
     with pytest.raises(InsufficientSpaceError) as info:
         MmapCachedDataset(path, source)

@@ -152,14 +152,21 @@ def test_wrong_number_of_dimensions_is_refused(cache_path: str) -> None:
         MmapCachedDataset(cache_path, Images(), max_shapes={"image": (32, 32)})
 
 
-def test_undeclared_varying_field_names_max_shapes_with_the_largest_shape(cache_path: str) -> None:
+def test_undeclared_varying_field_points_to_ragged_not_to_the_largest_shape_so_far(cache_path: str) -> None:
     with MmapCachedDataset(cache_path, Images()) as ds:
         with pytest.raises(LayoutError) as caught:
             ds[1]
         message = str(caught.value)
-        # sample 0: (3, 8, 20); sample 1: (3, 11, 18): the largest seen so far is (3, 11, 20).
         assert "sample 1, field 'image': expected shape (3, 8, 20), found (3, 11, 18)" in message
-        assert "max_shapes={'image': (3, 11, 20)}" in message
+        # Before: "max_shapes={'image': (3, 11, 20)}", the largest shape seen so far, so users raised the limit one
+        # failure at a time. Now: ragged (any size), 'auto', or a maximum the user chooses, and how to replace the
+        # cache whose layout is wrong.
+        assert "ragged=['image']" in message and "ragged='auto'" in message
+        assert "max_shapes={'image': ...}" in message and "overwrite=True" in message
+        assert "(3, 11, 20)" not in message
+    with MmapCachedDataset(cache_path, Images(), ragged=["image", "meta.0"], overwrite=True) as ds:
+        for i in range(len(ds)):
+            assert sample_equal(ds[i], Images()[i])
 
 
 def test_unknown_field_in_max_shapes(cache_path: str) -> None:
