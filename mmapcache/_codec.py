@@ -279,6 +279,8 @@ def compile_checker(layout: Layout) -> Callable[[Any, int], list[Any]]:
             walk(sample, leaves)
             values = [c(x) for c, x in zip(leaf_checks, leaves)]
         except _Slow:
+            values = None  # decided outside the handler: an error raised there must not chain onto _Slow
+        if values is None:
             return layout.check(sample, index)
         for number, name in described:
             leaf = leaves[number]

@@ -18,11 +18,13 @@ import secrets
 import shutil
 import stat
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from . import _format as fmt
 from ._filled import bitmap_bytes
+from ._heap import BLOCK as HEAP_BLOCK
 from ._layout import Layout
 from ._sizes import format_size
 from .errors import CacheReadOnlyError, InsufficientSpaceError, MmapCacheError, UnsupportedFileSystemError
@@ -95,6 +97,8 @@ def create(
     prepare: Callable[[str], None] | None = None,
     heap_budget: int | None = None,
     ragged_bytes: int = 0,
+    share: dict[str, Any] | None = None,
+    stream: dict[str, Any] | None = None,
 ) -> None:
     """Creates a cache at ``path`` atomically. The caller holds ``parent_lock(path)`` and checked it is absent.
 
@@ -127,7 +131,7 @@ def create(
         meta = fmt.make_meta(
             layout, length=length, slots=slots, variants=variants, has_slot_index=slot_index is not None,
             fingerprint=fingerprint, delete_on_close=delete_on_close, library_version=library_version,
-            heap_budget=heap_budget,
+            heap_budget=heap_budget, share=share, stream=stream,
         )
         for field, spec in zip(layout.fields, meta["fields"]):
             if field.ragged:
@@ -143,7 +147,7 @@ def create(
                 f.seek(-8 * slots, os.SEEK_END)
                 f.write(np.asarray(slot_index, dtype="<i8").tobytes())
         for name, size in ((fmt.FILLED, bitmap_bytes(rows)), (fmt.STALE, bitmap_bytes(rows)), (fmt.SEQ, 4 * rows),
-                           (fmt.KEYS, 8 * rows), (fmt.HEAPS, 8 * 4 * len(layout.ragged)), (fmt.LOCK, 0),
+                           (fmt.KEYS, 8 * rows), (fmt.HEAPS, 8 * HEAP_BLOCK * len(layout.ragged)), (fmt.LOCK, 0),
                            (fmt.USERS, 0)):
             _reserve(os.path.join(tmp, name), size)
         fmt.write_meta(tmp, meta)  # last: a directory with meta.json is a complete cache

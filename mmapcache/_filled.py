@@ -153,10 +153,14 @@ class SlotState:
     def is_filled(self, row: int) -> bool:
         return bool(self.filled[row >> 3] >> (row & 7) & 1) and not self.seq[row] & 1
 
-    def filled_rows(self, rows: np.ndarray) -> np.ndarray:
-        """Boolean mask of the given rows that hold a complete sample (filled bit set, counter even)."""
+    def filled_rows(self, rows: np.ndarray, keys: np.ndarray | None = None) -> np.ndarray:
+        """Boolean mask of the given rows that hold a complete sample (filled bit set, counter even), and with
+        ``keys`` the sample of that key (where rows change meaning: a rotating share, the stream)."""
         bits = (self.filled_np[rows >> 3] >> (rows & 7).astype(np.uint8)) & 1
-        return (bits == 1) & (self.seq_np[rows] & 1 == 0)
+        filled = (bits == 1) & (self.seq_np[rows] & 1 == 0)
+        if keys is not None:
+            filled &= self.keys_np[rows] == keys
+        return filled
 
     def stale_rows(self, rows: np.ndarray) -> np.ndarray:
         return ((self.stale_np[rows >> 3] >> (rows & 7).astype(np.uint8)) & 1) == 1
@@ -197,31 +201,33 @@ class SlotState:
                 "this process opened the cache read-only (no write permission on its files, or a read-only mount)"
             )
 
-    def publish(self, row: int, key: int, write: Callable[[], None]) -> bool:
-        """Stores row ``row`` (holding source index ``key``) by calling ``write()`` under the lock, unless it is
-        already filled and not stale. ``write`` may raise ``NoRoom`` before writing anything (a full heap): the
-        row is then left as it was. Returns whether this call stored the row. Safe across processes and threads."""
+    def publish(self, row: int, key: int, write: Callable[[bool], None]) -> bool:
+        """Stores row ``row`` (holding source index ``key``) by calling ``write(owned)`` under the lock, unless it
+        is already filled with ``key`` and not stale. ``owned`` says whether the row's previous bytes are intact
+        (its counter was even and it had been written): only then are its old heap extents its own to reuse or
+        free. ``write`` may raise ``NoRoom`` before writing anything (a full heap): the row is then left as it
+        was. Returns whether this call stored the row. Safe across processes and threads."""
         self._require_writable()
         with self.lock:
             return self._publish_locked(row, key, write)
 
-    def publish_many(self, items: list[tuple[int, int, Callable[[], None]]]) -> int:
+    def publish_many(self, items: list[tuple[int, int, Callable[[bool], None]]]) -> int:
         """``publish`` for several ``(row, key, write)`` under one acquisition of the lock (a batch's misses).
         Returns how many this call stored. Safe across processes and threads."""
         self._require_writable()
         with self.lock:
             return sum(self._publish_locked(row, key, write) for row, key, write in items)
 
-    def _publish_locked(self, row: int, key: int, write: Callable[[], None]) -> bool:
+    def _publish_locked(self, row: int, key: int, write: Callable[[bool], None]) -> bool:
         """Caller holds the writer lock."""
         byte, mask = row >> 3, 1 << (row & 7)
         seq = self.seq[row]
         filled = bool(self.filled[byte] & mask) and not seq & 1  # odd: a writer died mid-write
-        if filled and not self.stale[byte] & mask:
+        if filled and not self.stale[byte] & mask and self.keys[row] == key:
             return False
         self.seq[row] = (seq | 1) & 0xFFFFFFFF
         try:
-            write()
+            write(not seq & 1 and seq != 0)
         except NoRoom:
             self.seq[row] = seq  # nothing was written: the row stays what it was
             return False

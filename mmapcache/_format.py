@@ -11,16 +11,18 @@ swept. Every file of a cache is a regular file with one link (opened with ``O_NO
 Every file but the heaps has a fixed size from creation; heaps grow (see below); nothing is ever truncated.
 
 Terms: ``N`` = ``length`` (samples in the source); ``S`` = ``slots`` (samples that can be cached, ``S <= N``);
-``K`` = ``variants`` (stored versions of each sample); ``R = S * K`` rows. Sample ``i`` lives in slot
-``s = i`` when ``slot_index`` is null and ``i < S`` (a cached prefix), else in slot ``s`` with
-``slot_index.npy[s] == i``; its variant ``v`` is row ``r = s * K + v``.
+``K`` = ``variants`` (stored versions of each sample); ``R = S * K`` rows. In mode ``"cache"``, sample ``i``
+lives in slot ``s = i`` when ``slot_index`` is null and ``i < S`` (a cached prefix), else in slot ``s`` with
+``slot_index.npy[s] == i``; its variant ``v`` is row ``r = s * K + v``. (Node shares that rotate and the stream
+ring map samples to rows differently: see their sections.)
 
 ``meta.json`` (UTF-8 JSON, written once at creation, never modified)::
 
     {"magic": "mmapcache", "format_version": 2, "library_version": "0.2.0",
      "created": "2026-11-23T03:00:00Z",      # UTC, ISO 8601
-     "mode": "cache",                        # the only mode of this version's readers (see "Reserved" below)
-     "share": null,                          # reserved for node shares (see below)
+     "mode": "cache" | "stream",             # see "Stream mode"
+     "share": null | {...},                  # this node's share of the indices, see "Node shares"
+     "stream": null | {"seed": s},           # mode "stream" only, see "Stream mode"
      "length": N, "slots": S, "variants": K, "rows": R,
      "slot_index": null | "slot_index.npy",  # which source index each slot holds, when not a prefix
      "fingerprint": null | "<str>",          # caller's identification of the source
@@ -34,11 +36,12 @@ Terms: ``N`` = ``length`` (samples in the source); ``S`` = ``slots`` (samples th
                  "shape": [3, 64, 64], "variable": false, "ragged": false, "class": null, "metadata": null,
                  "file": "0.npy", "shape_file": null, "heap": null, "index_file": null}, ...]}
 
-``kind`` is one of tensor, ndarray, int, float, bool, numpy_scalar, str, bytes, pylist (a Python list of numbers,
-nested or not, stored as one array and returned with ``tolist()``), json (a tensor subclass's attributes). ``dtype``
-is ``numpy.dtype.str``; torch dtypes without a numpy equivalent (bfloat16, complex32, float8) are stored as the
-unsigned integer of the same width and ``torch_dtype`` names the real type. The structure's leaves are the fields
-``0 .. L-1``; metadata fields (kind json, named ``<path>#meta``) follow them.
+``kind`` is one of tensor, ndarray, int, float, bool, numpy_scalar, str, bytes, numpy_str, numpy_bytes, pylist (a
+Python list of numbers, nested or not, stored as one array and returned with ``tolist()``), json (a tensor
+subclass's attributes). ``dtype`` is ``numpy.dtype.str``; torch dtypes without a numpy equivalent (bfloat16,
+complex32, float8) are stored as the unsigned integer of the same width and ``torch_dtype`` names the real type.
+The structure's leaves are the fields ``0 .. L-1``; metadata fields (kind json, named ``<path>#meta``) follow them.
+At most 256 fields; arrays have at most 32 dimensions.
 
 ``class`` (tensor fields): null, or ``[module, qualname]`` of the ``torch.Tensor`` subclass a value is rebuilt as
 (found among imported modules only; never imported because this file names it). ``metadata``: null, or the
@@ -51,26 +54,35 @@ in row ``r`` if its filled bit is set; other rows are zero or stale. A *variable
 value flattened (C order) in the row's first ``prod(actual_shape)`` elements; the actual shape is row ``r`` of
 ``<field>.shape.npy``, an int64 ``.npy`` of shape ``(R, ndim)``.
 
-Ragged fields (``ragged`` true: ``str``, ``bytes``, json, and arrays whose shape varies; ``shape`` holds ``-1`` in
-each dimension that varies, ``file`` is null):
+Ragged fields (``ragged`` true: ``str``, ``bytes``, json, 1-D lists of numbers, and arrays whose shape varies;
+``shape`` holds ``-1`` in each dimension that varies, ``file`` is null):
 
-- ``<field>.heap``: the values' bytes packed back to back (C order; UTF-8 for ``str``), each at an offset that is
-  a multiple of the dtype's item size. Its size is its *capacity*, reserved with ``posix_fallocate`` before any
-  byte is written there, so a reader mapping it never faults past the end of the file.
-- ``<field>.index.npy``: int64 ``.npy`` of shape ``(R, 2 + ndim)``: ``[offset, nbytes, *shape]`` of row ``r``'s value.
-- ``heaps.u64``: ``4 * H`` little-endian uint64, four per ragged field in field order: ``[end, capacity,
-  abandoned, uncached]``: bytes in use, bytes reserved (the heap file's size), bytes in use by no row any more
-  (rewrites), and samples served uncached because the heap had no room. Changed only under the writer lock.
+- ``<field>.heap``: the values' bytes (C order; UTF-8 for ``str``). Its size is its *capacity*, reserved with
+  ``posix_fallocate`` before any byte is written there, so a reader mapping it never faults past the end of the
+  file. Each row owns an *extent* of the heap, at an offset that is a multiple of the dtype's item size.
+- ``<field>.index.npy``: int64 ``.npy`` of shape ``(R, 2 + ndim)``: ``[offset, extent_bytes, *shape]`` of row
+  ``r``: its extent and the value's shape; the value is the first ``prod(shape) * itemsize`` bytes of the extent.
+- ``heaps.u64``: per ragged field, in field order, a block of ``8 + 320`` little-endian uint64: ``[end, capacity,
+  abandoned, uncached, free, 0, 0, 0]`` then 320 free-list heads. ``end``: bytes of the heap handed out to extents
+  so far; ``capacity``: the heap file's size; ``abandoned``: bytes of ``[0, end)`` no row uses and no list holds
+  (scraps under 16 bytes, alignment); ``uncached``: samples passed through uncached because the heap had no room;
+  ``free``: bytes on the free lists. Head ``c`` is 0 (empty) or 1 + the offset of the first free extent of size
+  class ``c``: sizes in ``[(8 + c % 8) << (c // 8 + 1), (9 + c % 8) << (c // 8 + 1))`` (8 classes per power of
+  two from 16 bytes). A free extent's first 16 bytes are two little-endian uint64: 1 + the offset of the next
+  extent on its list (0: the last), and its own size. Changed only under the writer lock.
 
-A writer (holding the lock) rewrites a value in place when it fits the row's previous extent, else appends it at
-``end``, growing the heap first by ``max(16 KiB, capacity / 8)`` (within ``heap_budget``); the old extent, or the
-unused tail of a reused one, is added to ``abandoned``. With no room (the file system, or the budget), the row is
-not stored and ``uncached`` counts it. A reader maps a heap at its size when it opens it, and maps it again when a
-row's ``offset + nbytes`` passes the mapped size.
+How writers use the heap (``_heap`` has the details): a row's first value gets an extent of exactly its size at
+``end``; a rewrite stays in place when it fits the row's extent and uses at least half of it, else moves to an
+extent from the free lists or at ``end`` (sized to its class), and frees the old one. ``end`` grows the file
+first by ``max(16 KiB, capacity / 16)`` (within ``heap_budget``). With no room (the file system, or the budget),
+the row is not stored and ``uncached`` counts it. A reader maps a heap at its size when it opens it, and maps it
+again when a row's value ends past the mapped size.
 
 ``slot_index.npy`` (only when ``slot_index`` is not null): int64, shape ``(S,)``: the source index in each slot.
 
-``keys.i64``: ``R`` little-endian int64: the source index whose sample row ``r`` holds, written with the row.
+``keys.i64``: ``R`` little-endian int64: the key of the value row ``r`` holds, written with the row (inside its
+seqlock window): the source index in mode "cache", the sequence number in mode "stream". A reader that maps rows
+dynamically (a rotating share, the stream) accepts a row only if its key is the one it looks for.
 
 ``filled.bits``: ``ceil(R / 8)`` bytes; bit ``r`` (byte ``r // 8``, bit ``r % 8``, little-endian bit order as
 ``numpy.unpackbits(bits, bitorder="little")`` reads it) is 1 when row ``r`` holds a complete sample.
@@ -81,28 +93,58 @@ row's ``offset + nbytes`` passes the mapped size.
 ``r``'s bytes (fixed rows, heap bytes, index row and key) and even (one higher) after. A reader copies a row only
 if its filled bit is set and ``seq[r]`` is even, and keeps the copy only if ``seq[r]`` is unchanged after the copy
 (a seqlock). A filled row's counter is at least 2. An odd counter seen by a writer holding the lock is a writer
-that died mid-write: the row is treated as unfilled.
+that died mid-write: the row is treated as unfilled, and its old heap extents as lost (never reused or freed).
 
 ``lock``: empty. ``flock(LOCK_EX)`` on it is the writer lock: bitmaps, counters, keys and heap counters change,
 and rows are written, only under it. POSIX byte-range locks (``fcntl``) on byte ``c`` of the same file are build
-workers' claims on chunk ``c`` (Linux keeps the two kinds of lock independent); the kernel drops both when a
-holder dies.
+workers' claims on chunk ``c`` in mode "cache", and a producer's claim on row ``c`` in mode "stream" (Linux keeps
+the two kinds of lock independent); the kernel drops both when a holder dies.
 
 ``users``: empty. Every process using the cache holds ``flock(LOCK_SH)`` on it; a process that can take
 ``LOCK_EX`` is the last user (used by ``delete_on_close`` and by ``rm`` to refuse caches in use).
 
-Reserved: ``mode`` other than ``"cache"`` (``"stream"``: a ring of rows holding positions of an epoch's order,
-keyed by sequence number in ``keys.i64``) and a non-null ``share`` (a node's share of the indices) are defined
-by later releases of this version (see ``docs/design/format-v2.md``); this release refuses them with an error
-asking for a newer mmapcache. Readers of this release trust ``keys.i64`` only in ``verify``: in mode "cache" a
-row's key is always its slot's index.
+Node shares
+-----------
+
+``share``: ``{"node": k, "nodes": n, "seed": s, "rotate_every": E | null}``: the cache holds only node ``k``'s part
+of a partition of ``0 .. N-1`` into ``n`` near-equal parts, the same on every node. The partition of generation
+``g`` is ``numpy.random.default_rng([s, g]).permutation(N)`` cut into ``n`` consecutive parts, part ``j`` holding
+positions ``[j * N // n, (j + 1) * N // n)``; the share is part ``k``, sorted. Without rotation (``rotate_every``
+null) the share is generation 0's, recorded as ``slot_index.npy``, and the cache is an ordinary one of those
+slots. With rotation, epoch ``e`` is in generation ``g = e // E``, ``S = ceil(N / n)``, ``slot_index.npy`` holds
+generation 0's share (padded with -1 past its end), and sample ``i`` of generation ``g`` lives in slot ``j``, its
+position in generation ``g``'s sorted share; a row filled under another generation holds another index (its key
+says which), reads as a miss and is overwritten.
+
+Stream mode
+-----------
+
+``mode: "stream"``: ``K = 1``, no ``slot_index``, no ``share``, ``stream: {"seed": s}``. Epoch ``e``'s order is
+``numpy.random.default_rng([s, e]).permutation(N)``; its position ``p`` has the sequence number ``q = e * N + p``,
+kept in row ``q % S`` with key ``q``. Two more files:
+
+- ``ring.u64``: ``8 + 256`` little-endian uint64: ``[next, produced, served, computed, waited_ns, skipped, stop,
+  0]`` then one cursor per consumer rank (up to 256). ``next``: the next sequence number a producer claims;
+  ``produced``: values published; ``served``: values served from the ring (each at most once); ``computed``:
+  positions a consumer computed itself (the producer was behind); ``waited_ns``: time consumers spent waiting for
+  a producer; ``skipped``: values produced but passed by their consumer; ``stop``: incremented to ask producers
+  started by ``produce()`` to stop. Cursor ``r`` is 0 (rank ``r`` never read) or 1 + the first sequence number
+  rank ``r`` has not consumed. Counters change under the writer lock; a cursor is written by its rank only.
+- ``producers``: empty; every producer holds ``flock(LOCK_SH)`` on it while it runs.
+
+A producer claims ``q = max(next, low)`` (``low``: the smallest cursor in use) if ``q < low + S``, holds a POSIX
+lock on byte ``q % S`` of ``lock`` while it computes, and publishes the row with key ``q`` unless its consumer has
+passed it. A consumer reads row ``q % S`` only if its key is ``q`` (filled, seqlock as above), and moves its cursor
+past ``q`` once the batch is handed to the training loop: no value is served twice, and a row is reused only once
+every cursor has passed it.
 
 Format history
 --------------
 1: first version. No heaps, keys or modes; str, bytes, lists and tensor subclasses refused.
-2: ragged fields in heaps; str, bytes, pylist and json kinds; tensor subclasses (``class``, ``metadata``);
-   ``keys.i64``, ``heaps.u64``, ``mode``, ``share``, ``heap_budget``. A version-1 cache is refused with a message
-   to rebuild it (a cache is derived data; reading both would double the read path).
+2: ragged fields in heaps with free lists; str, bytes, pylist and json kinds; tensor subclasses (``class``,
+   ``metadata``); ``keys.i64``, ``heaps.u64``, ``heap_budget``; node shares (``share``); stream mode (``mode``,
+   ``stream``, ``ring.u64``, ``producers``). A version-1 cache is refused with a message to rebuild it (a cache is
+   derived data; reading both would double the read path).
 """
 
 from __future__ import annotations
@@ -120,7 +162,7 @@ from .errors import CacheFormatError
 
 MAGIC = "mmapcache"
 FORMAT_VERSION = 2
-MODES = ("cache",)
+MODES = ("cache", "stream")
 
 META = "meta.json"
 FILLED = "filled.bits"
@@ -131,6 +173,8 @@ USERS = "users"
 SLOT_INDEX = "slot_index.npy"
 KEYS = "keys.i64"
 HEAPS = "heaps.u64"
+RING = "ring.u64"
+PRODUCERS = "producers"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}$")
 
@@ -143,7 +187,7 @@ def is_cache(path: str) -> bool:
 def field_files(layout: Layout) -> list[dict[str, str | None]]:
     """The files of each field: ``file`` and ``shape_file`` (fixed fields), ``heap`` and ``index_file`` (ragged
     ones), named ``<name>.*`` when the name is a safe, unique file name, else ``field-<n>.*``."""
-    taken = {SLOT_INDEX, KEYS, HEAPS}
+    taken = {SLOT_INDEX, KEYS, HEAPS, RING, PRODUCERS}
     files = []
     for n, field in enumerate(layout.fields):
         def names(stem: str, field: Any = field) -> dict[str, str | None]:
@@ -170,6 +214,8 @@ def make_meta(
     delete_on_close: bool,
     library_version: str,
     heap_budget: int | None = None,
+    share: dict[str, Any] | None = None,
+    stream: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     fields = [{**field.to_json(), **files} for field, files in zip(layout.fields, field_files(layout))]
     return {
@@ -177,8 +223,9 @@ def make_meta(
         "format_version": FORMAT_VERSION,
         "library_version": library_version,
         "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "mode": "cache",
-        "share": None,
+        "mode": "cache" if stream is None else "stream",
+        "share": share,
+        "stream": stream,
         "length": length,
         "slots": slots,
         "variants": variants,
@@ -246,9 +293,10 @@ def read_meta(directory: str) -> dict[str, Any]:
 
 
 def _check_meta(meta: dict[str, Any]) -> None:
-    if meta["mode"] not in MODES or meta["share"] is not None:
-        what = f"mode {meta['mode']!r}" if meta["mode"] not in MODES else "a node share"
-        raise ValueError(f"the cache uses {what}, which this mmapcache does not read; upgrade mmapcache")
+    if meta["mode"] not in MODES:
+        raise ValueError(f"mode {meta['mode']!r} is not one of {MODES}")
+    _check_share(meta)
+    _check_stream(meta)
     if meta["heap_budget"] is not None and (not isinstance(meta["heap_budget"], int) or meta["heap_budget"] < 0):
         raise ValueError(f"heap_budget must be null or a non-negative integer, found {meta['heap_budget']!r}")
     for key in ("length", "slots", "variants", "rows"):
@@ -277,7 +325,7 @@ def _check_meta(meta: dict[str, Any]) -> None:
     if sorted(leaves + metadata) != list(range(len(layout.fields))):
         raise ValueError(f"the structure's leaves {sorted(leaves)} and metadata fields {metadata} do not match the "
                          f"{len(layout.fields)} fields")
-    used = dict.fromkeys((META, FILLED, STALE, SEQ, LOCK, USERS, KEYS, HEAPS), "a state file")
+    used = dict.fromkeys((META, FILLED, STALE, SEQ, LOCK, USERS, KEYS, HEAPS, RING, PRODUCERS), "a state file")
     if meta["slot_index"] is not None:
         if meta["slot_index"] != SLOT_INDEX:
             raise ValueError(f"slot_index names {meta['slot_index']!r}, expected {SLOT_INDEX!r}")
@@ -292,6 +340,36 @@ def _check_meta(meta: dict[str, Any]) -> None:
                 raise ValueError(f"field {field['name']!r}: its {key} {name!r} is also {used[name]}")
             if name is not None:
                 used[name] = f"the {key} of field {field['name']!r}"
+
+
+def _is_count(value: Any, low: int = 0) -> bool:
+    return type(value) is int and value >= low
+
+
+def _check_share(meta: dict[str, Any]) -> None:
+    share = meta["share"]
+    if share is None:
+        return
+    if not isinstance(share, dict) or set(share) != {"node", "nodes", "seed", "rotate_every"}:
+        raise ValueError(f"share must be null or {{node, nodes, seed, rotate_every}}, found {share!r}")
+    node, nodes, rotate = share["node"], share["nodes"], share["rotate_every"]
+    if not (_is_count(nodes, 1) and _is_count(node) and node < nodes and type(share["seed"]) is int
+            and (rotate is None or _is_count(rotate, 1))):
+        raise ValueError(f"bad share {share!r}")
+    if meta["mode"] != "cache" or meta["slot_index"] is None:
+        raise ValueError("a node share needs mode 'cache' and a slot index")
+
+
+def _check_stream(meta: dict[str, Any]) -> None:
+    stream = meta["stream"]
+    if meta["mode"] != "stream":
+        if stream is not None:
+            raise ValueError("stream settings in a cache of mode 'cache'")
+        return
+    if not isinstance(stream, dict) or set(stream) != {"seed"} or type(stream["seed"]) is not int:
+        raise ValueError(f"stream must be {{seed}}, found {stream!r}")
+    if meta["variants"] != 1 or meta["slot_index"] is not None or meta["share"] is not None or meta["slots"] < 1:
+        raise ValueError("a stream has one variant, at least one slot, no slot index and no share")
 
 
 def _structure_leaves(node: Any) -> list[int]:

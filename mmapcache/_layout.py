@@ -358,7 +358,8 @@ def _check_numpy_dtype(dtype: np.dtype, path: str, what: str) -> None:
     if dtype.kind not in "biufc" or dtype.fields is not None or dtype.subdtype is not None:
         raise LayoutError(
             f"field {path!r}: {what} of dtype {dtype} cannot be cached (only bool and numeric dtypes can); "
-            "convert strings to token ids and objects to numeric arrays in the wrapped dataset"
+            "return text as one str (join an array of strings, or convert it to token ids) and objects as numeric "
+            "arrays in the wrapped dataset"
         )
 
 
@@ -449,9 +450,11 @@ class Layout:
             raise LayoutError(
                 f"the sample has {len(leaves)} fields (the limit is {MAX_FIELDS}; the first are "
                 f"{', '.join(repr(leaf.field.name) for leaf in leaves[:4])}, ...): its arrays arrive as containers of "
-                "many separate values. Return arrays or tensors instead: for a Hugging Face dataset, "
-                "dataset.with_format('torch') or dataset.with_format('numpy'); otherwise stack the values into a "
-                "tensor in the wrapped dataset"
+                "many separate values. Return arrays or tensors instead: for a Hugging Face dataset of numbers, "
+                "dataset.with_format('torch') or dataset.with_format('numpy'); a list of many strings, or of lists "
+                "of different lengths, is one field per element in every format: join or flatten it (e.g. in "
+                "dataset.map) into one str or one array; otherwise stack the values into a tensor in the wrapped "
+                "dataset"
             )
         _check_unique_names(structure, leaves)
         seen: list[set[tuple[int, ...]]] = [{leaf.field.shape} for leaf in leaves]
@@ -481,6 +484,13 @@ class Layout:
             if field.kind == PYLIST and leaf.value.size == 0:
                 field = replace(field, dtype=_probed_list_dtype(samples[1:], structure, number, field.dtype))
             if field.name in max_shapes:
+                if field.kind not in (TENSOR, NDARRAY, PYLIST) or not field.shape:
+                    what = "always stored packed at its own size (ragged)" if field.kind in BYTE_KINDS else \
+                        "of no shape"
+                    article = "an" if field.kind[0] in "aeiou" else "a"
+                    raise LayoutError(f"max_shapes names field {field.name!r}, {article} {field.kind} {what}; only "
+                                      "arrays, "
+                                      "tensors and lists of numbers have a maximum shape: remove it from max_shapes")
                 limit = tuple(int(d) for d in max_shapes[field.name])
                 _check_fits(field, limit, field.shape, None)
                 field = replace(field, shape=limit, variable=True)

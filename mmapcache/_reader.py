@@ -29,7 +29,7 @@ from ._codec import (
 )
 from ._filled import NoRoom
 from ._gather import take
-from ._heap import Heap, budget_left
+from ._heap import UNCACHED, Heap, budget_left
 from ._layout import BOOL, BYTES, FLOAT, INT, JSON, NDARRAY, NPSCALAR, PYLIST, STR, TENSOR, TEXT_KINDS, Field
 from ._store import Store
 from .errors import UncachedFieldWarning
@@ -101,23 +101,26 @@ class RowReader:
 
     # --- one row -----------------------------------------------------------------------------------------------
 
-    def read(self, row: int) -> Any | None:
-        """The sample in ``row``, or None if it is not filled (or stale, or being written): a miss."""
-        leaves = self._consistent(row, self._readers)
+    def read(self, row: int, key: int = -1) -> Any | None:
+        """The sample in ``row``, or None if it is not filled (or stale, or being written, or holds another key
+        than ``key`` when one is given): a miss."""
+        leaves = self._consistent(row, self._readers, key)
         if leaves is None:
             return None
         return self.build(leaves if self.wrap is None else self.wrap(leaves))
 
-    def read_values(self, row: int) -> list[np.ndarray] | None:
+    def read_values(self, row: int, key: int = -1) -> list[np.ndarray] | None:
         """The flattened stored values of ``row`` (numpy, at actual shape), or None on a miss."""
-        return self._consistent(row, self._raw_readers)
+        return self._consistent(row, self._raw_readers, key)
 
-    def _consistent(self, row: int, readers: list[Callable[[int], Any]]) -> list[Any] | None:
+    def _consistent(self, row: int, readers: list[Callable[[int], Any]], key: int = -1) -> list[Any] | None:
         """Each reader's value of ``row``, copied under the seqlock; None if the row is not readable.
 
         The one seqlock read loop: the copy counts only if the row's counter was even before it and unchanged
         after it (no writer started or finished meanwhile). A row rewritten ``_RETRIES`` times in a row is
-        treated as a miss, which waits for the writer lock instead of spinning.
+        treated as a miss, which waits for the writer lock instead of spinning. With ``key >= 0`` (rows whose
+        meaning changes: a rotating share, the stream ring) the row's key, read inside the same window, must be
+        ``key``.
         """
         filled, seq = self.state.filled, self.state.seq
         byte, bit = row >> 3, row & 7
@@ -125,7 +128,7 @@ class RowReader:
             if not filled[byte] >> bit & 1 or (self.recompute_stale and self.state.stale[byte] >> bit & 1):
                 return None
             before = seq[row]
-            if before & 1:
+            if before & 1 or (key >= 0 and self.state.keys[row] != key):
                 return None
             try:
                 values = [read(row) for read in readers]
@@ -150,15 +153,16 @@ class RowReader:
         leaves = [convert(value) for convert, value in zip(self._miss_converters, values)]
         return self.build(leaves if self.wrap is None else self.wrap(leaves))
 
-    def write(self, row: int, values: list[Any]) -> None:
-        """Copies a checked sample's values into ``row``. The caller holds the writer lock (``publish``).
+    def write(self, row: int, values: list[Any], owned: bool) -> None:
+        """Copies a checked sample's values into ``row``. The caller holds the writer lock (``publish``), which
+        says whether the row's previous heap extents are ``owned`` (intact, so reusable or freed).
 
         Arrays go through ``pwrite`` (the kernel copies into the shared pages; no page faults in this process),
         scalars through the map. Ragged values get their heap room first: with none for one of them, ``NoRoom`` is
         raised before anything is written (the sample is then served uncached).
         """
         if self.ragged:
-            self._write_ragged(row, values)
+            self._write_ragged(row, values, owned)
         for data, shapes, fd, offset, row_bytes, value in zip(
             self.data, self.shapes, self.store.data_fds, self.store.data_offsets, self._row_bytes, values
         ):
@@ -171,24 +175,42 @@ class RowReader:
             else:
                 _pwrite_all(fd, np.ascontiguousarray(value), offset + row * row_bytes)
 
-    def _write_ragged(self, row: int, values: list[Any]) -> None:
+    def _write_ragged(self, row: int, values: list[Any], owned: bool) -> None:
+        """Finds room for every ragged value of the row (all or nothing), writes them and their index rows, then
+        frees what the row no longer uses (see ``_heap``)."""
         store = self.store
-        placed: list[tuple[int, Any, int, np.ndarray]] = []
+        plan: list[tuple[int, Heap, int, int, np.ndarray, tuple[int, int]]] = []
+        taken: list[tuple[Heap, int, int]] = []  # room allocated so far, given back if a later field has none
         for n in self.ragged:
             value = np.ascontiguousarray(values[n])
             index, heap = store.index[n], store.heaps[n]
-            old_offset, old_nbytes = int(index[row, 0]), int(index[row, 1])  # type: ignore[index]
-            offset = heap.allocate(old_offset, old_nbytes, value.nbytes, value.itemsize,  # type: ignore[union-attr]
-                                   budget_left(store.heap_counters, store.heap_budget))
-            if offset is None:
-                for _, placed_heap, _, placed_value in placed:  # room taken for nothing: abandoned
-                    placed_heap.counters[2] += placed_value.nbytes
+            assert index is not None and heap is not None  # a ragged field has both (see Store)
+            old_offset, old_capacity = (int(index[row, 0]), int(index[row, 1])) if owned else (0, 0)
+            if owned and value.nbytes <= old_capacity and old_offset % value.itemsize == 0:
+                # In place, keeping the row's room; but a value that uses under half of it moves to a free
+                # extent that fits, if there is one, so large extents circulate to the rows that grow.
+                smaller = heap.reuse(value.nbytes, value.itemsize) if 2 * value.nbytes < old_capacity else None
+                if smaller is None:
+                    plan.append((n, heap, old_offset, old_capacity, value, (0, 0)))
+                    continue
+                taken.append((heap, *smaller))
+                plan.append((n, heap, *smaller, value, (old_offset, old_capacity)))
+                continue
+            room = heap.allocate(value.nbytes, value.itemsize, budget_left(store.heap_counters, store.heap_budget),
+                                 exact=old_capacity == 0)
+            if room is None:
+                for taken_heap, taken_offset, taken_capacity in taken:
+                    taken_heap.free(taken_offset, taken_capacity)
+                heap.counters[UNCACHED] += 1
                 self._warn_uncached(self.fields[n])
                 raise NoRoom
-            placed.append((n, heap, offset, value))
-        for n, heap, offset, value in placed:
+            taken.append((heap, *room))
+            plan.append((n, heap, *room, value, (old_offset, old_capacity)))
+        for n, heap, offset, capacity, value, _ in plan:
             heap.write(offset, value)
-            store.index[n][row] = (offset, value.nbytes, *value.shape)  # type: ignore[index]
+            store.index[n][row] = (offset, capacity, *value.shape)  # type: ignore[index]
+        for _, heap, _, _, _, (unused_offset, unused_capacity) in plan:
+            heap.free(unused_offset, unused_capacity)
 
     def _warn_uncached(self, field: Field) -> None:
         if field.name in self._warned:
@@ -205,8 +227,8 @@ class RowReader:
 
     # --- batches -----------------------------------------------------------------------------------------------
 
-    def gather(self, rows: np.ndarray,
-               alloc: Callable[..., np.ndarray] = np.empty) -> tuple[list[np.ndarray], list[int]]:
+    def gather(self, rows: np.ndarray, alloc: Callable[..., np.ndarray] = np.empty,
+               keys: np.ndarray | None = None) -> tuple[list[np.ndarray], list[int]]:
         """Copies the given rows (fixed-shape fields only) into fresh per-field batch arrays, in order.
 
         ``alloc`` makes each array; for ``numpy.empty`` (the default) an earlier batch's array that nothing
@@ -214,7 +236,8 @@ class RowReader:
         copies are split over threads (``_gather.take``).
 
         Returns the arrays and the positions that could not be read (not cacheable, not filled, stale under
-        ``recompute``, or rewritten during the copy); the caller fills those positions.
+        ``recompute``, holding another key than ``keys`` says when given, or rewritten during the copy); the
+        caller fills those positions.
         """
         if alloc is np.empty:
             alloc = self._buffers.empty
@@ -229,6 +252,8 @@ class RowReader:
         # The counter must be even *when the copy starts*: a writer that began between the filled check above and
         # this load leaves it odd for the whole copy, so "unchanged after the copy" alone would accept a torn row.
         readable &= (before & 1) == 0
+        if keys is not None:
+            readable &= state.keys_np[safe_rows] == keys
         count = int(np.count_nonzero(readable))
         # Rows that cannot be read are filled by the caller anyway: a mostly cold batch copies only its hits.
         hits = None if count * 2 >= n else np.flatnonzero(readable)
@@ -308,14 +333,20 @@ def _ragged_reader(index: np.ndarray, heap: Heap, dtype: np.dtype) -> Callable[[
     ndim = width - 2
     words = _words(index)
 
+    itemsize = dtype.itemsize
+
     def read(row: int) -> np.ndarray:
         base = row * width
-        offset, nbytes = words[base], words[base + 1]
-        end = offset + nbytes
+        offset, capacity = words[base], words[base + 1]
+        if ndim == 1:
+            shape: tuple[int, ...] = (words[base + 2],)
+            end = offset + shape[0] * itemsize
+        else:
+            shape = tuple(words[base + 2:base + width])
+            end = offset + math.prod(shape) * itemsize
         buf = heap.buf if end <= heap.size else heap.covering(end)
-        if offset < 0 or nbytes < 0 or end > len(buf):
+        if offset < 0 or end > offset + capacity or end > len(buf) or min(shape) < 0:
             raise _Torn
-        shape = (words[base + 2],) if ndim == 1 else tuple(words[base + 2:base + width])
         return buf[offset:end].view(dtype).reshape(shape).copy()
     return read
 
@@ -325,10 +356,10 @@ def _str_reader(index: np.ndarray, heap: Heap) -> Callable[[int], str]:
     words = _words(index)
 
     def read(row: int) -> str:
-        offset, nbytes = words[row * 3], words[row * 3 + 1]
+        offset, capacity, nbytes = words[row * 3], words[row * 3 + 1], words[row * 3 + 2]
         end = offset + nbytes
         buf = heap.buf if end <= heap.size else heap.covering(end)
-        if offset < 0 or nbytes < 0 or end > len(buf):
+        if offset < 0 or nbytes < 0 or nbytes > capacity or end > len(buf):
             raise _Torn
         return buf.data[offset:end].tobytes().decode()
     return read
@@ -379,12 +410,12 @@ def _gather_ragged(field: Field, index: np.ndarray, heap: Heap, rows: np.ndarray
     """The values of ``rows`` (where ``readable``) of a ragged field, copied out of its heap in one step."""
     itemsize = field.np_dtype.itemsize
     entries = index[rows]
-    offsets, nbytes, shapes = entries[:, 0], entries[:, 1], entries[:, 2:]
-    counts = np.where(shapes.shape[1] == 1, shapes[:, 0], np.prod(shapes, axis=1)) if len(rows) else nbytes
-    ends = offsets + nbytes
+    offsets, capacities, shapes = entries[:, 0], entries[:, 1], entries[:, 2:]
+    counts = shapes[:, 0] if shapes.shape[1] == 1 else np.prod(shapes, axis=1)
+    ends = offsets + counts * itemsize
     buf = heap.covering(int(ends.max()) if len(rows) else 0)
-    valid = (offsets >= 0) & (nbytes >= 0) & (ends <= len(buf)) & (offsets % itemsize == 0) & (
-        counts * itemsize == nbytes) & (shapes >= 0).all(axis=1)
+    valid = (offsets >= 0) & (ends <= len(buf)) & (offsets % itemsize == 0) & (
+        counts * itemsize <= capacities) & (shapes >= 0).all(axis=1)
     use = readable & valid
     counts = np.where(use, counts, 0)
     shapes = np.where(use[:, None], shapes, 0)

@@ -23,6 +23,7 @@ from . import _format as fmt
 from ._admin import delete
 from ._files import open_file
 from ._filled import SlotState, map_exact
+from ._heap import BLOCK as HEAP_BLOCK
 from ._heap import Heap
 from ._layout import Layout
 from .errors import CacheFormatError, CacheNotFoundError, UnsupportedFileSystemError
@@ -41,7 +42,7 @@ class Store:
         shapes: per field, the ``(rows, ndim)`` int64 view of its shape file (``max_shapes`` fields), else None.
         index: per field, the ``(rows, 2 + ndim)`` int64 view of a ragged field's index, else None.
         heaps: per field, a ragged field's ``Heap``, else None.
-        heap_counters: ``(ragged fields, 4)`` uint64 view of ``heaps.u64``.
+        heap_counters: ``(ragged fields, _heap.BLOCK)`` uint64 view of ``heaps.u64``.
         state: the slot state (bitmaps, counters, lock).
         writable: whether this process may write.
 
@@ -91,8 +92,9 @@ class Store:
         try:
             ragged = len(self.layout.ragged)
             access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-            self._maps.append(map_exact(path, fmt.HEAPS, 32 * ragged, access, writable))
-            self.heap_counters = np.frombuffer(self._maps[-1], "<u8", count=4 * ragged).reshape(ragged, 4)
+            self._maps.append(map_exact(path, fmt.HEAPS, 8 * HEAP_BLOCK * ragged, access, writable))
+            self.heap_counters = np.frombuffer(self._maps[-1], "<u8", count=HEAP_BLOCK * ragged).reshape(
+                ragged, HEAP_BLOCK)
             for field, spec in zip(self.layout.fields, self.meta["fields"]):
                 if field.ragged:
                     self.data.append(None)  # type: ignore[arg-type]

@@ -4,12 +4,14 @@ Opening a ``Store`` already checks ``meta.json``, every ``.npy`` header and size
 the end and filled rows never written, and refuses files that are links or not regular. This module first scans
 the directory's entries (so a link or a foreign file is reported as damage, by name, rather than failing the open),
 then adds the checks that need a scan of the state (stale bits without filled bits, stored shapes outside their
-field's maximum) and the recomputation of filled samples.
+field's maximum, keys that are not their slot's index, heap extents outside the heap or overlapping each other or
+the free lists) and the recomputation of filled samples.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from typing import Any
 
@@ -113,6 +115,8 @@ def _check_state(store: Store, result: VerifyResult) -> None:
         result.problems.append(f"{store.path}/{fmt.STALE}: {len(rows)} row(s) (first: {rows[0]}) are marked stale but "
                                "not filled, which no writer does: the file is damaged")
     complete = filled_bit & ~odd
+    _check_keys(store, complete, result)
+    _check_heaps(store, complete, result)
     for field, shapes, spec in zip(store.layout.fields, store.shapes, store.meta["fields"]):
         if shapes is None:
             continue
@@ -123,6 +127,68 @@ def _check_state(store: Store, result: VerifyResult) -> None:
             result.problems.append(f"{store.path}/{spec['shape_file']}: row {row} holds shape "
                                    f"{tuple(shapes[row].tolist())}, "
                                    f"outside the maximum {field.shape} of field {field.name!r}: the file is damaged")
+
+
+def _check_keys(store: Store, complete: np.ndarray, result: VerifyResult) -> None:
+    """A filled row's key must be the source index its slot holds (for a rotating share: of some generation's
+    share, which only the key says; not checked here)."""
+    rowmap = RowMap.of(store)
+    if rowmap.keyed or store.meta["mode"] != "cache":
+        return
+    rows = np.flatnonzero(complete)
+    expected, _ = rowmap.index_and_variant(rows)
+    wrong = store.state.keys_np[rows] != expected
+    if wrong.any():
+        row = int(rows[np.argmax(wrong)])
+        result.problems.append(f"{store.path}/{fmt.KEYS}: {int(wrong.sum())} filled row(s) (first: {row}) hold the key "
+                               f"{int(store.state.keys_np[row])}, not the index {int(expected[np.argmax(wrong)])} of "
+                               "their slot: the file is damaged")
+
+
+def _check_heaps(store: Store, complete: np.ndarray, result: VerifyResult) -> None:
+    """Every complete row's value lies in its extent, inside the heap's used part, with its field's fixed
+    dimensions; no two rows' extents overlap; the free lists hold what their counter says."""
+    from ._heap import END, FREE, HEADS, MIN_EXTENT
+
+    rows = np.flatnonzero(complete)
+    number = 0
+    for field, index, heap, spec in zip(store.layout.fields, store.index, store.heaps, store.meta["fields"]):
+        if heap is None or index is None:
+            continue
+        counters = store.heap_counters[number]
+        number += 1
+        where = f"{store.path}/{spec['index_file']}"
+        end = int(counters[END])
+        entries = index[rows]
+        offsets, capacities, shapes = entries[:, 0], entries[:, 1], entries[:, 2:]
+        nbytes = np.prod(shapes, axis=1) * field.np_dtype.itemsize if len(rows) else capacities
+        fixed = np.array([d if d >= 0 else -1 for d in field.shape])
+        bad = (offsets < 0) | (shapes < 0).any(axis=1) | (nbytes > capacities) | ((offsets + capacities > end) & (
+            capacities > 0)) | ((fixed >= 0) & (shapes != fixed)).any(axis=1)
+        if bad.any():
+            k = int(np.argmax(bad))
+            result.problems.append(f"{where}: row {int(rows[k])} holds [offset, extent, *shape] "
+                                   f"{entries[k].tolist()}, not a value of field {field.name!r} inside the heap's "
+                                   f"{end} used bytes: the file is damaged")
+            continue
+        extents = sorted((int(a), int(n)) for a, n in zip(offsets, capacities) if n)
+        free, free_bytes = [], 0
+        buf = heap.covering(end)
+        for cls in range(len(counters) - HEADS):
+            at, hops = int(counters[HEADS + cls]), 0
+            while at and hops <= len(buf) // MIN_EXTENT:
+                following, size = (int(x) for x in buf[at - 1:at - 1 + 16].view("<u8"))
+                free.append((at - 1, size))
+                free_bytes += size
+                at, hops = following, hops + 1
+        overlap = [(a, b) for a, b in itertools.pairwise(sorted(extents + free)) if a[0] + a[1] > b[0]]
+        if overlap:
+            result.problems.append(f"{store.path}/{spec['heap']}: extents {overlap[0][0]} and {overlap[0][1]} "
+                                   "(offset, bytes) overlap: two rows, or a row and a free list, share bytes; the "
+                                   "file is damaged")
+        elif free_bytes != int(counters[FREE]):
+            result.problems.append(f"{store.path}/{fmt.HEAPS}: field {field.name!r}'s free lists hold {free_bytes} "
+                                   f"bytes, its counter says {int(counters[FREE])}: the file is damaged")
 
 
 def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, result: VerifyResult) -> None:

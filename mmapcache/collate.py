@@ -81,8 +81,19 @@ class PadCollate:
         return len(shapes) > 1
 
     def pad(self, flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, dtype: torch.dtype | None) -> Padded:
-        """Pads values given back to back (``flat``, C order), ``counts`` elements each, of ``shapes`` ``(B, ndim)``."""
-        data = pad_flat(flat, counts, shapes, self.pad_value)
+        """Pads values given back to back (``flat``, C order), ``counts`` elements each, of ``shapes`` ``(B, ndim)``.
+
+        Raises:
+            ValueError: ``pad_value`` does not fit the values' dtype (``-1`` for uint8 values).
+        """
+        pad_value = self.pad_value
+        stored = torch.from_numpy(np.zeros(0, flat.dtype)).dtype
+        if dtype is not None and stored != dtype and _element_size(dtype) == flat.dtype.itemsize:
+            # A dtype numpy lacks (bfloat16, float8) travels as the bits of its width: pad with the value's bits.
+            pad_value = torch.tensor([pad_value], dtype=dtype).view(stored).item()
+        else:
+            _check_pad_value(pad_value, flat.dtype)
+        data = pad_flat(flat, counts, shapes, pad_value)
         tensor = torch.from_numpy(data)
         if dtype is not None and tensor.dtype != dtype:
             tensor = tensor.view(dtype) if tensor.element_size() == _element_size(dtype) else tensor.to(dtype)
@@ -114,6 +125,20 @@ def pad_flat(flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, pad_value
         out[(k, *(slice(0, d) for d in shape))] = flat[start:start + count].reshape(shape)  # type: ignore[index]
         start += count
     return out
+
+
+def _check_pad_value(value: int | float | bool, dtype: np.dtype) -> None:
+    """A ValueError unless ``value`` is exactly representable in ``dtype`` (the padded batch's)."""
+    try:
+        fits = np.array(value).astype(dtype).item() == value
+    except (OverflowError, ValueError):
+        fits = False
+    if dtype.kind == "f" and isinstance(value, (int, float)):
+        fits = True  # any number pads a float batch (rounded, as assignment rounds)
+    if not fits:
+        limits = f" ({np.iinfo(dtype).min}..{np.iinfo(dtype).max})" if dtype.kind in "iu" else ""
+        raise ValueError(f"PadCollate(pad_value={value!r}) does not fit the values' dtype {dtype}{limits}; pass a "
+                         "pad_value in its range, e.g. PadCollate(0)")
 
 
 def _join(prefix: str, key: str) -> str:

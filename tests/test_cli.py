@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def test_inspect_json_keys_and_numbers(cache_path: str, capsys: pytest.CaptureFi
     assert (info["length"], info["slots"], info["variants"], info["filled"], info["stale"]) == (40, 40, 1, 10, 3)
     assert info["fraction"] == pytest.approx(0.25) and info["fingerprint"] == "v1"
     assert info["fields"][0] == {"name": "0", "kind": "tensor", "dtype": "uint8", "shape": [3, 8, 8],
-                                 "variable": False, "file": "0.npy"}
+                                 "variable": False, "ragged": False, "file": "0.npy", "heap": None}
     assert info["fields"][1]["dtype"] == "int64" and info["fields"][1]["shape"] == []
     assert os.getpid() in info["users"]
     assert info["bytes"] >= 40 * (3 * 8 * 8 + 8)
@@ -289,6 +290,29 @@ def test_variable_shapes_build_inspect_and_verify(cache_path: str, capsys: pytes
     del shapes
     code, _, err = run("verify", cache_path, capsys=capsys)
     assert code == 1 and "row 4 holds shape (9,), outside the maximum (8,) of field 'tokens'" in err
+
+
+def test_ragged_build_inspect_and_verify_with_damage(cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run("build", cache_path, "--dataset", f"{SPEC}:Ragged", "--ragged", "tokens", "--workers", "2",
+                         capsys=capsys)
+    assert code == 0, err
+    code, out, _ = run("inspect", cache_path, capsys=capsys)
+    # 20 values of index % 7 + 1 int32s: 4 * 77 = 308 bytes, packed.
+    assert "tokens: tensor int32 * (ragged: 308 B used, 0 B free for reuse, 0 B abandoned" in out, out
+    code, out, err = run("verify", cache_path, "--source", f"{SPEC}:Ragged", "--all", capsys=capsys)
+    assert code == 0 and "20 compared" in out, err
+    keys = np.memmap(os.path.join(cache_path, "keys.i64"), "<i8", "r+")
+    keys[3] = 7
+    keys.flush()
+    del keys
+    code, _, err = run("verify", cache_path, capsys=capsys)
+    assert code == 1 and "keys.i64: 1 filled row(s) (first: 3) hold the key 7, not the index 3" in err, err
+    index = np.load(os.path.join(cache_path, "tokens.index.npy"), mmap_mode="r+")
+    index[5, 0] = index[6, 0]  # two rows on one extent
+    index.flush()
+    del index
+    code, _, err = run("verify", cache_path, capsys=capsys)
+    assert code == 1 and re.search(r"tokens\.heap: extents \(\d+, \d+\) and \(\d+, \d+\) .* overlap", err), err
 
 
 def test_ls_shows_the_cacheable_share_of_a_partial_cache(shm_dir: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -112,10 +112,14 @@ def test_version_1_cache_is_refused_with_the_rebuild_command(filled_cache: str) 
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"mode": "stream"}, r"mode 'stream', which this mmapcache does not read; upgrade mmapcache"),
-    ({"share": {"node": 0, "nodes": 2}}, r"a node share, which this mmapcache does not read; upgrade mmapcache"),
+    ({"mode": "ring"}, r"mode 'ring' is not one of \('cache', 'stream'\)"),
+    ({"mode": "stream"}, r"stream must be \{seed\}, found None"),
+    ({"stream": {"seed": 1}}, r"stream settings in a cache of mode 'cache'"),
+    ({"share": {"node": 0, "nodes": 2}}, r"share must be null or \{node, nodes, seed, rotate_every\}"),
+    ({"share": {"node": 2, "nodes": 2, "seed": 0, "rotate_every": None}}, r"bad share"),
+    ({"share": {"node": 0, "nodes": 2, "seed": 0, "rotate_every": None}}, r"a node share needs .* a slot index"),
 ])
-def test_reserved_modes_are_refused_by_name(filled_cache: str, changes: dict, match: str) -> None:
+def test_bad_modes_and_shares_are_damage_named(filled_cache: str, changes: dict, match: str) -> None:
     _edit_meta(filled_cache, **changes)
     _open_fails(filled_cache, match)
 

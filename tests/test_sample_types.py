@@ -3,6 +3,7 @@ tensor subclasses with their attributes; stored exactly, read alike on hits, mis
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -100,6 +101,33 @@ def test_pad_collate_fused_in_the_loader_equals_it_over_any_dataset(cache_path: 
     ds.close()
 
 
+def test_a_pad_value_that_does_not_fit_is_refused_and_bfloat16_pads_with_the_value(cache_path: str) -> None:
+    rows = [{"pix": torch.arange(i + 1, dtype=torch.uint8), "w": torch.arange(i + 2, dtype=torch.bfloat16)}
+            for i in range(6)]
+    with MmapCachedDataset(cache_path, rows, ragged=["pix", "w"]) as ds:
+        with pytest.raises(ValueError, match=r"PadCollate\(pad_value=-1\) does not fit the values' dtype uint8 "
+                                             r"\(0\.\.255\)"):
+            next(iter(ds.loader(batch_size=6, collate_fn=PadCollate(-1, fields=["pix"]))))
+        with pytest.raises(ValueError, match="does not fit the values' dtype uint8"):
+            next(iter(DataLoader(rows, batch_size=6, collate_fn=PadCollate(-1, fields=["pix"]))))
+        with pytest.raises(ValueError, match=r"pad_value=1\.5\) does not fit the values' dtype uint8"):
+            next(iter(ds.loader(batch_size=6, collate_fn=PadCollate(1.5))))  # never silently rounded
+        pad = PadCollate(1.5, fields=["w"])
+        for loader in (ds.loader(batch_size=6, collate_fn=pad), DataLoader(
+                [{"w": r["w"]} for r in rows], batch_size=6, collate_fn=pad)):
+            w = next(iter(loader))["w"].data
+            assert w.dtype == torch.bfloat16 and w[0, 2:].tolist() == [1.5] * 5  # the value, not its bits
+
+
+@pytest.mark.parametrize("sample, name, what", [
+    ({"txt": "abc", "n": 1}, "txt", "a str always stored packed"), ({"txt": "abc", "n": 1}, "n", "an int of no shape"),
+])
+def test_max_shapes_on_a_field_without_a_shape_is_refused(untouched: Any, cache_path: str, sample, name,
+                                                          what) -> None:
+    untouched(LayoutError, rf"max_shapes names field '{name}', {what}.*remove it from max_shapes",
+              lambda: MmapCachedDataset(cache_path, [sample] * 3, max_shapes={name: (10,)}))
+
+
 def test_a_shape_varying_only_in_rare_samples_says_to_declare_it_ragged(cache_path: str) -> None:
     class Rare(torch.utils.data.Dataset):
         def __len__(self) -> int:
@@ -123,34 +151,92 @@ def test_ragged_heap_is_compact(cache_path: str) -> None:
         ds.fill()
         values = sum(src[i]["input_ids"].numel() * 8 for i in range(len(src)))
         number = [f.name for f in ds._store.layout.ragged].index("input_ids")
-        end, capacity, abandoned, uncached = (int(x) for x in ds._store.heap_counters[number])
-        assert end == values and abandoned == 0 and uncached == 0
+        end, capacity, abandoned, uncached, free = (int(x) for x in ds._store.heap_counters[number][:5])
+        assert end == values and abandoned == 0 and uncached == 0 and free == 0
         assert os.path.getsize(os.path.join(cache_path, "input_ids.heap")) == capacity
         assert capacity <= 1.15 * values
 
 
-def test_rewrites_reuse_space_and_account_for_what_they_abandon(cache_path: str) -> None:
-    """refresh + fill rewrite values of a new size: one that fits is written in place, a larger one appended and
-    the old extent counted as abandoned."""
-    class Growing(torch.utils.data.Dataset):
-        calls = 0
+def _extents(ds: MmapCachedDataset, number: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The heap extents of ragged field ``number`` used by filled rows, and those on its free lists (walked as
+    the format describes them: each free extent starts with [next offset + 1, size])."""
+    store = ds._store
+    field = [n for n, f in enumerate(store.layout.fields) if f.ragged][number]
+    index, heap = store.index[field], store.heaps[field]
+    filled = np.flatnonzero(store.state.filled_mask())
+    used = [(int(index[r, 0]), int(index[r, 1])) for r in filled if index[r, 1]]
+    free = []
+    counters = store.heap_counters[number]
+    buf = heap.covering(int(counters[0]))
+    for cls in range(len(counters) - 8):
+        at = int(counters[8 + cls])
+        while at:
+            following, size = (int(x) for x in buf[at - 1:at - 1 + 16].view("<u8"))
+            free.append((at - 1, size))
+            at = following
+    return used, free
 
+
+def _disjoint(extents: list[tuple[int, int]]) -> bool:
+    ordered = sorted(extents)
+    return all(a + n <= b for (a, n), (b, _) in itertools.pairwise(ordered))
+
+
+def test_rewrites_reuse_freed_space_so_fragmentation_stays_bounded(cache_path: str) -> None:
+    """refresh + fill rewrite values of new sizes, over and over: a value that fits is written in place, a
+    larger one moves and its old extent goes to the free lists, where later values find room. The heap stops
+    growing, and no byte is ever used by two rows or by a row and a free list."""
+    rng = np.random.default_rng(0)
+
+    class Resized(torch.utils.data.Dataset):
         def __len__(self) -> int:
-            return 10
+            return 200
 
         def __getitem__(self, i: int) -> torch.Tensor:
-            Growing.calls += 1
-            return torch.full((10 + Growing.calls % 3 * 10,), i)
+            return torch.full((int(rng.integers(4, 300)),), i, dtype=torch.int64)
 
-    with MmapCachedDataset(cache_path, Growing(), deterministic=False, ragged=["<sample>"]) as ds:
+    ends = []
+    with MmapCachedDataset(cache_path, Resized(), deterministic=False, ragged=["<sample>"]) as ds:
         ds.fill()
-        for _ in range(5):
-            ds.refresh(indices=range(10))
+        for _ in range(40):
+            ds.refresh(fraction=0.5)
             ds.fill()
-            assert all((ds[i] == i).all() for i in range(10))
-        end, _, abandoned, _ = (int(x) for x in ds._store.heap_counters[0])
-        live = sum(ds[i].numel() * 8 for i in range(10))
-        assert end - abandoned == live
+            end, _, abandoned, _, free = (int(x) for x in ds._store.heap_counters[0][:5])
+            used, free_extents = _extents(ds, 0)
+            live = sum(n for _, n in used)
+            assert end == live + free + abandoned  # every byte accounted for
+            assert sum(n for _, n in free_extents) == free
+            assert _disjoint(used + free_extents)
+            ends.append(end)
+        assert all((ds[i] == i).all() for i in range(200))
+    # 200 values of 4..300 int64s: 242 KB live on average. Appending every moved value would add ~120 KB per
+    # round (~5 MB after 40); reuse keeps the heap within a small multiple of the live data, and flat.
+    assert ends[-1] <= 2.5 * 200 * 300 * 8 // 2, ends
+    assert ends[-1] <= 1.1 * ends[19], ends
+
+
+def test_a_writer_that_died_mid_write_never_leaves_an_extent_to_two_rows(cache_path: str) -> None:
+    """A row whose counter is odd (its writer was killed) may point at an extent the dead writer already freed;
+    the next writer must not free or reuse it a second time."""
+    src = Texts(50)
+    with MmapCachedDataset(cache_path, src, ragged=["input_ids"], deterministic=False) as ds:
+        ds.fill()
+        state = ds._store.state
+        number = [f.name for f in ds._store.layout.ragged].index("input_ids")
+        index, heap = ds._store.index[2], ds._store.heaps[2]  # input_ids is field 2 (caption, raw, input_ids)
+        assert ds._store.layout.fields[2].name == "input_ids"
+        with state.lock:
+            for row in range(0, 50, 2):
+                # What a writer killed between freeing the row's old extent and writing its index row leaves:
+                # an odd counter, and an index row pointing at an extent that is on a free list.
+                state.seq[row] |= 1
+                heap.allocate(int(index[row, 2]) * 8, 8, None)
+                heap.free(int(index[row, 0]), int(index[row, 1]))
+        ds.refresh(indices=range(50))
+        ds.fill()
+        used, free = _extents(ds, number)
+        assert _disjoint(used + free)
+        assert all(_equal(ds[i], src[i]) for i in range(50))
 
 
 def test_a_full_heap_budget_serves_samples_uncached_and_warns_once(cache_path: str) -> None:
@@ -159,7 +245,7 @@ def test_a_full_heap_budget_serves_samples_uncached_and_warns_once(cache_path: s
         ds = MmapCachedDataset(cache_path, src, max_bytes=200_000, ragged="auto")
         got = [ds[i] for i in range(len(src))]
     assert all(_equal(g, src[i]) for i, g in enumerate(got))
-    uncached = int(ds._store.heap_counters[:, 3].sum())
+    uncached = int(ds._store.heap_counters[:, 3].sum())  # [end, capacity, abandoned, uncached, free, ...]
     assert uncached > 0 and ds.num_cached + uncached == ds.num_cacheable
     assert ds.num_cached > ds.num_cacheable // 2  # the budget went to the heap that needed it
     assert sum(os.path.getsize(os.path.join(cache_path, f)) for f in os.listdir(cache_path)) <= 200_000 + 64_000

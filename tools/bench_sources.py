@@ -188,7 +188,7 @@ def lock_publisher(mode: str, path: str, rows: list[int], poll: float, seconds: 
     count = 0
     for row in rows:
         with state.lock:  # the writer lock's handover plus a row's write: what a publish costs under contention
-            reader.write(row, value)
+            reader.write(row, value, True)
         count += 1
         if time.perf_counter() - start > seconds:
             break

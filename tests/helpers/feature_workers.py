@@ -171,7 +171,7 @@ def die_mid_write(path: str, n: int, shape: tuple[int, ...], index: int, started
     image = np.asarray(versioned_sample(index, 7_000_001, shape)[0]).reshape(-1)
     data = reader.data[0].reshape(reader.data[0].shape[0], -1)
 
-    def half_write() -> None:
+    def half_write(owned: bool) -> None:
         data[row, : len(image) // 2] = image[: len(image) // 2]
         with open(started, "w"):
             pass
