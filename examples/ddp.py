@@ -8,7 +8,13 @@
 Every rank opens the same cache path. On one node that is one copy in its /dev/shm, shared by all its ranks
 (and their DataLoader workers); each node of a multi-node job has its own copy, built by its own ranks, and no
 sample crosses the network. ``prefill`` splits the first fill between the node's ranks (each sample is
-computed once per node), ``DistributedSampler`` then splits each epoch between all ranks of the job.
+computed once per node), ``ds.sampler()`` then splits each epoch between all ranks of the job (as
+``DistributedSampler`` does).
+
+With ``--node-share`` (a dataset larger than one node's memory) each node caches only its share of the dataset,
+and ``ds.sampler()`` keeps each rank on its node's share: every index is still read once per epoch across the
+job, and no rank reads from the source after the first epoch. ``--rotate-every E`` draws the shares again every
+E epochs.
 
 Backend: nccl when CUDA is available, gloo otherwise (this example also runs on CPU-only machines).
 """
@@ -24,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset
 
 from mmapcache import MmapCachedDataset
 
@@ -85,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
     parser.add_argument("--delete-on-close", action="store_true",
                         help="a per-job cache: removed when the last process of this node closes it")
+    parser.add_argument("--node-share", action="store_true",
+                        help="each node caches only its share of the dataset (larger than one node's memory)")
+    parser.add_argument("--rotate-every", type=int, default=None, metavar="E",
+                        help="with --node-share: draw the shares again every E epochs")
     args = parser.parse_args(argv)
 
     rank, world, device = setup_distributed()
@@ -92,14 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     name = args.cache or ("ddp-example" + (f"-{job}" if args.delete_on_close and job else ""))
     source = SlowFeatures(args.samples)
     ds = MmapCachedDataset(name, source, fingerprint=f"slow-features-{args.samples}",
-                           delete_on_close=args.delete_on_close)
+                           delete_on_close=args.delete_on_close, node_share=args.node_share,
+                           rotate_every=args.rotate_every)
 
     start = time.perf_counter()
-    stored = ds.prefill()  # this node's ranks fill disjoint shares; returns after a barrier
+    stored = ds.prefill()  # this node's ranks fill disjoint parts; returns after a barrier
+    held = f" (share: {ds.share.describe(len(ds))})" if ds.share is not None else ""
     say(f"rank {rank}/{world}: prefill stored {stored} samples in {time.perf_counter() - start:.2f} s; "
-        f"{ds.num_cached}/{len(ds)} cached at {ds.path}")
+        f"{ds.num_cached}/{len(ds)} cached at {ds.path}{held}")
 
-    sampler = DistributedSampler(ds, shuffle=True, seed=0)
+    sampler = ds.sampler(shuffle=True, seed=0)  # DistributedSampler's split; with a node share, the node's own
     # ds.loader, not DataLoader(ds, ...): it hands each batch the epoch that was current when the epoch's
     # iteration began, so ds.set_epoch reaches persistent workers too (a plain DataLoader's persistent workers
     # keep the copy of the dataset they started with, and would serve epoch 0's variant forever).
@@ -109,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   nn.Linear(32, source.classes)).to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)  # a different shuffle each epoch
-        ds.set_epoch(epoch)  # selects the stored variant (variants > 1); reaches the workers through ds.loader
+        sampler.set_epoch(epoch)  # a different shuffle each epoch; also ds.set_epoch (variants, rotation)
+        if args.rotate_every and epoch % args.rotate_every == 0 and epoch:
+            ds.prefill()  # a new generation of shares: fill this node's new share together
         losses = []
         for step, (features, labels) in enumerate(loader):
             if step == args.steps:

@@ -29,6 +29,7 @@ __all__ = [
     "MmapCachedDataset",
     "PadCollate",
     "Padded",
+    "ShareSampler",
     "build",
     "BuildReport",
     "verify",
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers
     from ._driver import BuildReport
     from ._paths import cache_root
     from ._report import describe, list_caches
+    from ._sampler import ShareSampler
     from ._verify import VerifyResult, verify
     from .collate import PadCollate, Padded
     from .dataset import MmapCachedDataset
@@ -72,6 +74,7 @@ _LAZY = {
     "MmapCachedDataset": "dataset",
     "PadCollate": "collate",
     "Padded": "collate",
+    "ShareSampler": "_sampler",
     "build": "_build",
     "BuildReport": "_driver",
     "verify": "_verify",

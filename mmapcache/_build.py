@@ -28,6 +28,7 @@ from ._open import Request, Source, open_cache
 from ._options import CreateOptions
 from ._paths import resolve_path
 from ._rows import RowMap
+from ._share import Share, share_option
 from ._specs import DatasetSpec
 from ._store import Store
 from .errors import CacheReadOnlyError, SourceError
@@ -63,7 +64,11 @@ def build(
     max_bytes: int | str | None = None,
     variants: int | None = None,
     max_shapes: Mapping[str, Sequence[int]] | None = None,
+    ragged: Sequence[str] | str | None = None,
     refresh: float | None = None,
+    node_share: bool | tuple[int, int] = False,
+    rotate_every: int | None = None,
+    share_seed: int = 0,
     follow: bool = False,
     fail_fast: bool = False,
     deterministic: bool = True,
@@ -86,9 +91,12 @@ def build(
         shard: ``(i, n)``: fill only the i-th of n disjoint parts (see the module docstring); ``"auto"``: the
             local rank's part under torchrun, else everything; None: everything.
         indices: ``(start, stop)``: only source indices in ``[start, stop)`` (stop None: to the end).
-        fingerprint, max_bytes, variants, max_shapes: as for ``MmapCachedDataset``: used when the cache is
-            created; checked against an existing cache (fingerprint, variants).
+        fingerprint, max_bytes, variants, max_shapes, ragged: as for ``MmapCachedDataset``: used when the cache is
+            created; checked against an existing cache (fingerprint, variants, ragged fields).
         refresh: first mark this fraction of the filled rows stale, then refill them.
+        node_share, rotate_every, share_seed: as ``MmapCachedDataset``'s ``node_share``, ``rotate_every`` and
+            ``seed``: under torchrun or SLURM, create (or check) this node's share and fill only it. A rotating
+            share is filled for its first generation (epochs ``0 .. rotate_every-1``).
         seed: the seed of ``refresh``'s choice of rows; None (default) draws a fresh one (``report.refresh_seed``),
             so that repeated refreshes cover different rows.
         follow: after filling, keep refilling rows that become unfilled or stale (another process's
@@ -119,9 +127,13 @@ def build(
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     if refresh is not None and (isinstance(refresh, bool) or not 0 <= refresh <= 1):
         raise ValueError(f"refresh must be a fraction in [0, 1], got {refresh!r}")
+    share = share_option(node_share, rotate_every, share_seed)
     store, created = _open_or_create(path, spec, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants,
-                                     max_shapes=max_shapes, deterministic=deterministic)
+                                     max_shapes=max_shapes, ragged=ragged, deterministic=deterministic,
+                                     share=share)
     report = BuildReport(path)
+    if store.meta["share"] is not None:
+        report.share = Share.from_json(store.meta["share"]).describe(store.length)
     try:
         start, stop = indices if indices is not None else (0, None)
         if start >= store.length:
@@ -146,7 +158,8 @@ def build(
 
 def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, max_bytes: Any,
                     variants: int | None, max_shapes: Mapping[str, Sequence[int]] | None,
-                    deterministic: bool) -> tuple[Store, bool]:
+                    ragged: Sequence[str] | str | None, deterministic: bool,
+                    share: Share | None) -> tuple[Store, bool]:
     """Opens the cache, checking that it matches the source (its first sample's layout, and its bytes without a
     fingerprint: before any worker starts), or creates it. Returns it registered as used by this process."""
     dataset = spec()
@@ -159,7 +172,7 @@ def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, ma
             raise SourceError(f"the source raised computing sample {index} while opening the cache at {path}: "
                               f"{type(exc).__name__}: {exc}; fix the source (--debug shows the traceback)") from exc
 
-    request = Request(path, fingerprint, CreateOptions(max_bytes, None, variants, max_shapes))
+    request = Request(path, fingerprint, CreateOptions(max_bytes, None, variants, max_shapes, ragged, share))
     store, created = open_cache(request, Source(len(dataset), fetch, deterministic=deterministic))
     if not store.writable:
         _release(store)

@@ -55,6 +55,7 @@ class BuildReport:
     marked_stale: int = 0
     refresh_seed: int | None = None
     interrupted: bool = False
+    share: str | None = None  # the node share the cache holds, described (node k of N: M indices)
 
     @property
     def ok(self) -> bool:
@@ -65,7 +66,8 @@ class BuildReport:
         state = " (interrupted)" if self.interrupted else ""
         return (f"{self.path}: filled {self.filled}, skipped {self.skipped} (already there), "
                 f"failed {len(self.failed)}, "
-                f"{self.elapsed:.1f} s, {rate:.1f} samples/s, {format_size(self.bytes)} written{state}")
+                f"{self.elapsed:.1f} s, {rate:.1f} samples/s, {format_size(self.bytes)} written{state}"
+                + (f"; share: {self.share}" if self.share else ""))
 
 
 
@@ -101,7 +103,7 @@ class Driver:
         """Chunks holding rows that are unfilled or stale (failed ones excluded); how many of this build's rows
         those chunks hold (workers report each of them), and how many done rows lie outside them."""
         state = self.store.state
-        todo = ~state.filled_rows(self.rows) | state.stale_rows(self.rows)
+        todo = ~state.filled_rows(self.rows, self.rowmap.keys_of(self.rows)) | state.stale_rows(self.rows)
         if self.failed_rows:
             todo &= ~np.isin(self.rows, np.fromiter(self.failed_rows, np.int64))
         chunk_of = self.rows // self.plan.chunk
@@ -160,7 +162,7 @@ class Driver:
 
     def _todo_mask(self) -> np.ndarray:
         state = self.store.state
-        return ~state.filled_rows(self.rows) | state.stale_rows(self.rows)
+        return ~state.filled_rows(self.rows, self.rowmap.keys_of(self.rows)) | state.stale_rows(self.rows)
 
     def _count_lost_results(self, tasks: list[Task], todo_before: np.ndarray) -> None:
         """Counts the rows of tasks whose results died with their loader: stored since ``todo_before`` (filled by
@@ -213,7 +215,7 @@ class Driver:
         rows: list[Task] = []
         for chunk, _ in tasks:
             targets = chunk_targets(self.rowmap, self.plan, chunk)
-            todo = targets[~state.filled_rows(targets) | state.stale_rows(targets)]
+            todo = targets[~state.filled_rows(targets, self.rowmap.keys_of(targets)) | state.stale_rows(targets)]
             rows += [(chunk, int(r)) for r in todo if int(r) not in self.failed_rows]
         while rows:
             reported, died = self._pass(rows, True, 1, [])

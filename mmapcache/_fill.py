@@ -13,6 +13,7 @@ counts and failures.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any
@@ -121,7 +122,7 @@ class Filler:
         targets = chunk_targets(worker.rows, plan, chunk)
         if only >= 0:
             targets = targets[targets == only]
-        todo = ~state.filled_rows(targets) | state.stale_rows(targets)
+        todo = ~state.filled_rows(targets, worker.rows.keys_of(targets)) | state.stale_rows(targets)
         result["skipped"] += int((~todo).sum())
         rows = targets[todo]
         indices, variants = worker.rows.index_and_variant(rows)
@@ -130,7 +131,7 @@ class Filler:
                 if worker.set_epoch is not None:
                     worker.set_epoch(variant)  # sources that key their augmentation on the epoch
                 values = reader.check(worker.dataset[index], index)
-                stored = state.publish(row, index, lambda: reader.write(row, values))  # noqa: B023 - called at once
+                stored = state.publish(row, index, functools.partial(reader.write, row, values))
             except (CacheFormatError, CacheNotFoundError) as exc:
                 if worker.store.moved():  # removed under us (`mmapcache rm --force`): not this sample's fault
                     result["removed"] = str(exc)

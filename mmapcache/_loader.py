@@ -57,7 +57,7 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> DataLoader:
             sampler = RandomSampler(ds, generator=generator) if shuffle else SequentialSampler(ds)
         elif shuffle:
             raise ValueError("sampler option is mutually exclusive with shuffle")
-        if type(sampler) in (RandomSampler, SequentialSampler):
+        if type(sampler) in (RandomSampler, SequentialSampler) or hasattr(sampler, "epoch_indices"):
             batch_sampler = _ArrayBatches(sampler, batch_size, drop_last)
         else:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
@@ -111,8 +111,13 @@ class _ArrayBatches(BatchSampler):
     same random draws) that ``BatchSampler(sampler, ...)`` would produce."""
 
     def __iter__(self) -> Iterator[np.ndarray]:  # type: ignore[override]
-        count = len(self.sampler)  # type: ignore[arg-type]  # RandomSampler and SequentialSampler are sized
-        indices = np.fromiter(iter(self.sampler), np.int64, count=count)
+        epoch_indices = getattr(self.sampler, "epoch_indices", None)  # ShareSampler: the epoch as one array
+        if epoch_indices is not None:
+            indices = epoch_indices()
+        else:
+            count = len(self.sampler)  # type: ignore[arg-type]  # RandomSampler and SequentialSampler are sized
+            indices = np.fromiter(iter(self.sampler), np.int64, count=count)
+        count = len(indices)
         size = self.batch_size
         stop = count - count % size if self.drop_last else count
         for start in range(0, stop, size):

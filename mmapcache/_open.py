@@ -22,6 +22,7 @@ A process that reopens a cache it used before (a DataLoader worker, a reopen aft
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from ._layout import PYLIST, Layout, flatten
 from ._options import CreateOptions
 from ._reader import RowReader
 from ._rows import RowMap
+from ._share import Share
 from ._store import Store
 from ._version import __version__
 from .errors import CacheMismatchError, CacheNotFoundError, LayoutError
@@ -157,8 +159,10 @@ def _open_or_create(request: Request, source: Source | None) -> tuple[Store, boo
     return store, True
 
 
-def first_index(options: CreateOptions) -> int:
+def first_index(options: CreateOptions, length: int) -> int:
     """The first cacheable index of a new cache (the sample its creator computes and stores)."""
+    if options.share is not None:
+        return int(options.share.indices(length)[0])
     return int(options.cache_indices[0]) if options.cache_indices is not None else 0
 
 
@@ -171,7 +175,7 @@ def _create_locked(request: Request, source: Source) -> None:
     """Computes the first sample (and a few probes), learns the layout from them, and creates the cache with
     them stored in it. Caller holds the lock."""
     options = request.options
-    index = first_index(options)
+    index = first_index(options, source.length)
     sample = source.fetch(index)
     try:
         layout = Layout.from_samples([sample], options.max_shapes, options.declared_ragged)
@@ -211,7 +215,7 @@ def _create_locked(request: Request, source: Source) -> None:
                     if number == 0:
                         raise
                     continue  # a probe that cannot be stored fails the same way when it is read
-                store.state.publish(row, i, lambda: reader.write(row, values))  # noqa: B023 - called at once
+                store.state.publish(row, i, functools.partial(reader.write, row, values))
         finally:
             store.close()
 
@@ -219,6 +223,7 @@ def _create_locked(request: Request, source: Source) -> None:
         request.path, layout, length=source.length, slots=slots, variants=variants, slot_index=slot_index,
         fingerprint=request.fingerprint, delete_on_close=request.delete_on_close, library_version=__version__,
         prepare=store_first, heap_budget=heap_budget, ragged_bytes=ragged_bytes,
+        share=None if options.share is None else options.share.to_json(),
     )
 
 
@@ -254,7 +259,16 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
         return f"fingerprint {meta['fingerprint']!r} in the cache, {request.fingerprint!r} given"
     if options.variants is not None and options.variants != meta["variants"]:
         return f"variants={meta['variants']} in the cache, variants={options.variants} given"
-    if options.max_bytes is not None or options.cache_indices is not None:
+    if options.share is not None:
+        if meta["share"] != options.share.to_json():
+            recorded = "no node share (a full copy)" if meta["share"] is None else \
+                f"the share {Share.from_json(meta['share']).describe(meta['length'])}"
+            return (f"{recorded} in the cache, the share {options.share.describe(source.length)} asked for (another "
+                    "node count, node rank, seed or rotation); each node's cache must be made for its own node: "
+                    "use a node-local MMAPCACHE_DIR, or remove this cache to make it anew")
+    elif meta["share"] is not None and options.cache_indices is not None:
+        return "a node share in the cache, cache_indices given"
+    if meta["share"] is None and (options.max_bytes is not None or options.cache_indices is not None):
         # Compare what the options decide (which indices are cacheable), not the numbers: any max_bytes at least
         # as large as the cache matches a cache that holds every sample.
         slots, index, _ = options.plan(store.layout, source.length, meta["variants"])

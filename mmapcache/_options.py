@@ -9,6 +9,7 @@ import numpy as np
 
 from ._create import plan_bytes
 from ._layout import Layout
+from ._share import Share
 from ._sizes import parse_size
 
 STALE_MODES = ("recompute", "serve")
@@ -18,7 +19,7 @@ class CreateOptions:
     """Validated creation options (those that only matter when a cache is created or compared)."""
 
     def __init__(self, max_bytes: Any, cache_indices: Any, variants: Any, max_shapes: Any,
-                 ragged: Any = None) -> None:
+                 ragged: Any = None, share: Share | None = None) -> None:
         self.max_bytes = None if max_bytes is None else parse_size(max_bytes, "max_bytes")
         if variants is not None:
             if not _is_count(variants) or variants < 1:
@@ -46,6 +47,9 @@ class CreateOptions:
                                 f"got {ragged!r}")
             ragged = tuple(ragged)
         self.ragged = ragged
+        if share is not None and cache_indices is not None:
+            raise ValueError("node_share and cache_indices both choose which samples the cache holds; pass one")
+        self.share = share
 
     @property
     def declared_ragged(self) -> tuple[str, ...]:
@@ -57,7 +61,7 @@ class CreateOptions:
         """Slots, slot index and variants of a new cache (or of the cache these options describe), with
         ``ragged_bytes`` per sample expected in the heaps (counted against ``max_bytes``)."""
         variants = self.variants or default_variants
-        index = self.cache_indices
+        index = self.cache_indices if self.share is None else self.share.indices(length)
         if index is not None and (index.min() < 0 or index.max() >= length):
             raise IndexError(f"cache_indices has values outside [0, {length}), the dataset's index range")
         slots = length if index is None else len(index)
@@ -73,6 +77,11 @@ class CreateOptions:
             if fit == 0:
                 raise ValueError(f"max_bytes={self.max_bytes} is smaller than one sample ({per_sample} bytes with "
                                  f"{variants} variant(s)); raise it")
+            if self.share is not None and self.share.rotate_every is not None and fit < slots:
+                raise ValueError(
+                    f"max_bytes={self.max_bytes} holds {fit} samples, but this node's share has {slots}: a share "
+                    "that rotates must fit whole. Use more nodes, a larger max_bytes, or no rotation (then the "
+                    "cache holds the part of the share that fits, and the rest passes through)")
             slots = min(slots, fit)
         if index is not None:
             index = index[:slots]

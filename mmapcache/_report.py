@@ -16,6 +16,7 @@ from ._admin import users_of
 from ._create import free_bytes
 from ._paths import cache_root, resolve_path
 from ._rows import RowMap
+from ._share import Share
 from ._sizes import format_size
 from ._store import Store
 from .errors import MmapCacheError
@@ -83,11 +84,17 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         if store.rows:
             per_index = RowMap.of(store).per_index(filled.reshape(store.slots, store.variants).mean(axis=1))
         fields = []
+        ragged_number = 0
         for field, spec in zip(store.layout.fields, meta["fields"]):
-            fields.append({
+            entry: dict[str, Any] = {
                 "name": field.name, "kind": field.kind, "dtype": field.torch_dtype or np.dtype(field.dtype).name,
-                "shape": list(field.shape), "variable": field.variable, "file": spec["file"],
-            })
+                "shape": list(field.shape), "variable": field.variable, "ragged": field.ragged,
+                "file": spec["file"] or spec["heap"], "heap": None,
+            }
+            if field.ragged:
+                entry["heap"] = _heap_report(store.heap_counters[ragged_number])
+                ragged_number += 1
+            fields.append(entry)
         n_filled = int(filled.sum())
         return {
             "path": path,
@@ -106,6 +113,9 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
             "size": format_size(disk_bytes(path)),
             "free": format_size(free_bytes(path)),
             "fingerprint": meta["fingerprint"],
+            "share": None if meta["share"] is None else {
+                **meta["share"], "size": Share.from_json(meta["share"]).size(store.length),
+                "text": Share.from_json(meta["share"]).describe(store.length)},
             "delete_on_close": bool(meta.get("delete_on_close")),
             "created": meta.get("created"),
             "fields": fields,
@@ -114,6 +124,19 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         }
     finally:
         store.close()
+
+
+def _heap_report(counters: np.ndarray) -> dict[str, Any]:
+    """A ragged field's heap counters (see ``_heap``): bytes used (values and their rows' slack), free for reuse,
+    abandoned, reserved on the file system, and samples passed through uncached for lack of room."""
+    end, capacity, abandoned, uncached, free = (int(x) for x in counters[:5])
+    used = end - free - abandoned
+    text = (f"{format_size(used)} used, {format_size(free)} free for reuse, {format_size(abandoned)} abandoned, "
+            f"{format_size(capacity)} reserved")
+    if uncached:
+        text += f"; {uncached} samples passed through uncached: no room"
+    return {"used": used, "free": free, "abandoned": abandoned, "end": end, "reserved": capacity,
+            "uncached": uncached, "text": text}
 
 
 def list_caches(directory: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:

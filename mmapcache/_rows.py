@@ -1,9 +1,10 @@
 """Which row holds which sample: source index -> slot -> row, and the per-epoch choice of variant.
 
 A cache of ``N`` samples has ``S <= N`` slots (the cacheable samples) of ``K`` variants each, ``R = S * K`` rows
-(see ``_format``). Sample ``i`` lives in slot ``s = i`` when the slots are a prefix (no ``slot_index``) and
-``i < S``, else in the slot ``s`` with ``slot_index[s] == i``; its variant ``v`` is row ``s * K + v``. Which
-variant an epoch reads is ``epoch % K`` (``variant_choice="epoch"``) or a seeded hash of ``(seed, epoch, i)``
+(see ``_format``). Sample ``i`` lives in slot ``s = i`` when the slots are a prefix (no ``slot_index``) and ``i <
+S``, else in the slot ``s`` with ``slot_index[s] == i``; its variant ``v`` is row ``s * K + v``. (A node share that
+rotates holds generation ``g``'s share in its slots in epoch ``e``, ``g = e // rotate_every``: see ``_share``.)
+Which variant an epoch reads is ``epoch % K`` (``variant_choice="epoch"``) or a seeded hash of ``(seed, epoch, i)``
 (``"random"``). Every module that maps between indices and rows asks a ``RowMap``; none re-derives it.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import operator
 
 import numpy as np
+
+from ._share import Share
 
 __all__ = ["RowMap", "VARIANT_CHOICES", "mix", "mix_array", "check_index", "check_indices"]
 
@@ -37,7 +40,7 @@ def mix_array(seed: int, epoch: int, idx: np.ndarray) -> np.ndarray:
 
 
 class RowMap:
-    """The index <-> slot <-> row mapping of one cache, and its variant choice. Immutable; safe in any thread.
+    """The index <-> slot <-> row mapping of one cache, and its variant choice. Safe in any thread.
 
     Args:
         length: samples in the source (``N``).
@@ -46,37 +49,54 @@ class RowMap:
         slot_index: the source index in each slot, or None when the slots are the prefix ``0 .. S-1``.
         variant_choice: ``"epoch"`` or ``"random"`` (see the module docstring).
         seed: the seed of ``"random"``.
+        share: the node share a cache holds (``_share``). A share that rotates maps indices to slots per
+            generation of epochs (``keyed``: a reader must then check a row's key, since a row filled under
+            another generation holds another index).
     """
 
     def __init__(self, length: int, slots: int, variants: int, slot_index: np.ndarray | None, *,
-                 variant_choice: str = "epoch", seed: int = 0) -> None:
+                 variant_choice: str = "epoch", seed: int = 0, share: Share | None = None) -> None:
         self.length, self.slots, self.variants = length, slots, variants
         self.rows = slots * variants
         self.slot_index = slot_index
         self.variant_choice, self.seed = variant_choice, seed
-        if slot_index is None:
-            self._lookup = None
-        else:
-            self._lookup = np.full(length, -1, dtype=np.int64)
-            self._lookup[slot_index] = np.arange(slots, dtype=np.int64)
+        self.share = share
+        self.keyed = share is not None and share.rotate_every is not None
+        self._lookup = None if slot_index is None else _lookup(length, slot_index)
+        # The generation whose mapping _lookup holds, with its slot index: replaced whole (one assignment), so a
+        # thread reading it never sees the lookup of one generation with the slot index of another.
+        self._generation: tuple[int, np.ndarray | None, np.ndarray | None] = (0, self._lookup, slot_index)
 
     @classmethod
     def of(cls, store: object, *, variant_choice: str = "epoch", seed: int = 0) -> RowMap:
         """The mapping of an open ``_store.Store``."""
+        share = store.meta["share"]  # type: ignore[attr-defined]
         return cls(store.length, store.slots, store.variants, store.slot_index,  # type: ignore[attr-defined]
-                   variant_choice=variant_choice, seed=seed)
+                   variant_choice=variant_choice, seed=seed, share=None if share is None else Share.from_json(share))
+
+    def _mapping(self, epoch: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """``(lookup, slot_index)`` of the generation epoch ``epoch`` reads."""
+        if not self.keyed:
+            return self._lookup, self.slot_index
+        generation = self.share.generation(epoch)  # type: ignore[union-attr]
+        current = self._generation
+        if current[0] != generation:
+            index = self.share.indices(self.length, generation)  # type: ignore[union-attr]
+            current = self._generation = (generation, _lookup(self.length, index), index)
+        return current[1], current[2]
 
     # --- one sample (the per-item path: plain ints, no numpy scalars) ------------------------------------------
 
-    def slot(self, index: int) -> int:
-        """The slot of source index ``index`` (in range), or -1 if it is not cacheable."""
-        if self._lookup is None:
+    def slot(self, index: int, epoch: int = 0) -> int:
+        """The slot of source index ``index`` (in range) in epoch ``epoch``, or -1 if it is not cacheable."""
+        lookup = self._lookup if not self.keyed else self._mapping(epoch)[0]
+        if lookup is None:
             return index if index < self.slots else -1
-        return int(self._lookup[index])
+        return int(lookup[index])
 
     def row(self, index: int, epoch: int) -> int:
         """The row that epoch ``epoch`` reads for source index ``index``, or -1 if it is not cacheable."""
-        slot = self.slot(index)
+        slot = self.slot(index, epoch)
         k = self.variants
         if slot < 0 or k == 1:
             return slot
@@ -90,15 +110,16 @@ class RowMap:
 
     # --- many samples ------------------------------------------------------------------------------------------
 
-    def slots_of(self, idx: np.ndarray) -> np.ndarray:
-        """The slots of in-range source indices (int64), -1 where not cacheable."""
-        if self._lookup is None:
+    def slots_of(self, idx: np.ndarray, epoch: int = 0) -> np.ndarray:
+        """The slots of in-range source indices (int64) in epoch ``epoch``, -1 where not cacheable."""
+        lookup = self._lookup if not self.keyed else self._mapping(epoch)[0]
+        if lookup is None:
             return np.where(idx < self.slots, idx, -1)
-        return self._lookup[idx]
+        return lookup[idx]
 
     def rows_of(self, idx: np.ndarray, epoch: int) -> np.ndarray:
         """``row`` over an array of in-range source indices."""
-        slots = self.slots_of(idx)
+        slots = self.slots_of(idx, epoch)
         k = self.variants
         if k == 1:
             return slots
@@ -108,31 +129,44 @@ class RowMap:
             variant = (mix_array(self.seed, epoch, idx) % np.uint64(k)).astype(np.int64)
         return np.where(slots >= 0, slots * k + variant, -1)
 
-    def all_rows_of(self, idx: np.ndarray) -> np.ndarray:
+    def all_rows_of(self, idx: np.ndarray, epoch: int = 0) -> np.ndarray:
         """Every variant's row of the cacheable ones among ``idx`` (non-cacheable indices are dropped)."""
-        slots = self.slots_of(idx)
+        slots = self.slots_of(idx, epoch)
         slots = slots[slots >= 0]
         return (slots[:, None] * self.variants + np.arange(self.variants)).reshape(-1)
 
-    def indices_of_slots(self, slots: np.ndarray) -> np.ndarray:
-        """The source index held by each slot."""
+    def indices_of_slots(self, slots: np.ndarray, epoch: int = 0) -> np.ndarray:
+        """The source index each slot holds in epoch ``epoch``."""
         slots = np.asarray(slots, dtype=np.int64)
-        return slots if self.slot_index is None else np.asarray(self.slot_index[slots], dtype=np.int64)
+        slot_index = self.slot_index if not self.keyed else self._mapping(epoch)[1]
+        return slots if slot_index is None else np.asarray(slot_index[slots], dtype=np.int64)
 
-    def index_and_variant(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The source index and the variant stored in each row."""
+    def index_and_variant(self, rows: np.ndarray, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The source index and the variant each row holds in epoch ``epoch``."""
         slots, variants = np.divmod(np.asarray(rows, dtype=np.int64), self.variants)
-        return self.indices_of_slots(slots), variants
+        return self.indices_of_slots(slots, epoch), variants
 
-    def cacheable(self) -> np.ndarray:
-        """The source indices the cache can hold, in slot order."""
-        return self.indices_of_slots(np.arange(self.slots, dtype=np.int64))
+    def keys_of(self, rows: np.ndarray, epoch: int = 0) -> np.ndarray | None:
+        """The key each row must hold to serve epoch ``epoch`` (its source index) when rows change meaning (a
+        rotating share), else None: no key to check."""
+        return self.index_and_variant(rows, epoch)[0] if self.keyed else None
 
-    def per_index(self, per_slot: np.ndarray, fill: float = np.nan) -> np.ndarray:
+    def cacheable(self, epoch: int = 0) -> np.ndarray:
+        """The source indices the cache can hold in epoch ``epoch``, in slot order."""
+        return self.indices_of_slots(np.arange(self.slots, dtype=np.int64), epoch)
+
+    def per_index(self, per_slot: np.ndarray, fill: float = np.nan, epoch: int = 0) -> np.ndarray:
         """Spreads a per-slot float array over source indices (``fill`` where not cacheable)."""
         out = np.full(self.length, fill)
-        out[self.cacheable()] = per_slot
+        out[self.cacheable(epoch)] = per_slot
         return out
+
+
+def _lookup(length: int, slot_index: np.ndarray) -> np.ndarray:
+    """Source index -> slot (-1: not cacheable)."""
+    lookup = np.full(length, -1, dtype=np.int64)
+    lookup[slot_index] = np.arange(len(slot_index), dtype=np.int64)
+    return lookup
 
 
 # --- validating source indices ------------------------------------------------------------------------------------

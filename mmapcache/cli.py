@@ -172,10 +172,19 @@ def _parser() -> _Parser:
     p.add_argument("--max-shapes", metavar="JSON",
                    help="on creation, {field path: max shape} for fields whose shape varies, "
                         "e.g. '{\"0\": [3, 512, 512]}'")
+    p.add_argument("--ragged", metavar="FIELDS",
+                   help="on creation, fields whose shape varies, packed at each value's size: 'auto' (found from 8 "
+                        "samples) or field paths, e.g. 'input_ids,boxes'")
     p.add_argument("--refresh", type=_fraction, metavar="FRACTION",
                    help="first mark this fraction of filled rows stale, then refill them")
     p.add_argument("--seed", type=int, metavar="N",
                    help="seed of --refresh's choice of rows (default: a fresh one each run, printed)")
+    p.add_argument("--node-share", action="store_true",
+                   help="under torchrun or SLURM: this node caches (and fills) only its share of the dataset")
+    p.add_argument("--rotate-every", type=_positive_int, metavar="E",
+                   help="with --node-share: the partition is drawn again every E epochs")
+    p.add_argument("--share-seed", type=int, default=0, metavar="N",
+                   help="with --node-share: the partition's seed (MmapCachedDataset's seed=; default 0)")
     p.add_argument("--follow", action="store_true",
                    help="keep running: refill rows that become stale or unfilled (poll 0.5 s) until SIGINT/SIGTERM")
     p.set_defaults(run=_cmd_build)
@@ -224,6 +233,16 @@ def _parser() -> _Parser:
 # --- commands ----------------------------------------------------------------------------------------------------
 
 
+def _ragged(text: str | None) -> list[str] | str | None:
+    """``--ragged``: ``auto``, or field paths separated by commas."""
+    if text is None or text == "auto":
+        return text
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise UsageError("--ragged takes 'auto' or field paths separated by commas, e.g. --ragged input_ids,boxes")
+    return names
+
+
 def _existing_dir(directory: str | None) -> str:
     from . import cache_root
 
@@ -244,8 +263,9 @@ def _cmd_build(args: argparse.Namespace) -> int:
             args.path, args.dataset, kwargs=kwargs, workers=args.workers, shard=args.shard or "auto",
             indices=args.indices,
             fingerprint=args.fingerprint, max_bytes=args.max_bytes, variants=args.variants,
-            max_shapes=_max_shapes(args.max_shapes), refresh=args.refresh,
+            max_shapes=_max_shapes(args.max_shapes), refresh=args.refresh, ragged=_ragged(args.ragged),
             follow=args.follow, fail_fast=args.fail_fast, seed=args.seed, progress=True,
+            node_share=args.node_share, rotate_every=args.rotate_every, share_seed=args.share_seed,
         )
     if report.marked_stale:
         print(f"marked {report.marked_stale} rows stale for refresh (seed {report.refresh_seed})")
@@ -376,14 +396,14 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def _render(info: dict[str, Any]) -> str:
     """``describe``'s result as aligned text lines."""
     slots = f"{info['slots']} of {info['length']} ({100 * info['slot_fraction']:.1f}%)"
-    fields = [f"{f['name']}: {f['dtype']} {tuple(f['shape'])}{' (max, variable)' if f['variable'] else ''}"
-              for f in info["fields"]]
+    fields = [_render_field(f) for f in info["fields"]]
     users = ", ".join(map(str, info["users"])) or "none"
     lines = [
         ("path", info["path"]),
         ("format", f"version {info['format_version']} (written by mmapcache {info['library_version']})"),
         ("length", str(info["length"])),
         ("cacheable", slots),
+        *([("share", info["share"]["text"])] if info.get("share") else []),
         ("variants", str(info["variants"])),
         ("filled", f"{info['filled']} of {info['rows']} rows ({100 * info['fraction']:.1f}%)"),
         ("stale", str(info["stale"])),
@@ -400,6 +420,17 @@ def _render(info: dict[str, Any]) -> str:
     text.append(f"{'':<{width}} one character per range of indices: ' ' empty, '.:-=+*#%' partly filled (more to the "
                 "right), '@' full, '_' not cacheable")
     return "\n".join(text)
+
+
+def _render_field(field: dict[str, Any]) -> str:
+    shape = "x".join("*" if d < 0 else str(d) for d in field["shape"]) or "scalar"
+    text = f"{field['name']}: {field['kind']} {field['dtype']} {shape}"
+    if field["variable"]:
+        text += " (max, variable)"
+    heap = field.get("heap")
+    if heap is not None:
+        text += f" (ragged: {heap['text']})"
+    return text
 
 
 def _render_list(entries: list[dict[str, Any]]) -> str:

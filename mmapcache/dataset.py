@@ -22,6 +22,8 @@ from ._options import STALE_MODES, CreateOptions, check_bool, check_choice, chec
 from ._paths import resolve_path
 from ._reader import RowReader
 from ._rows import VARIANT_CHOICES, RowMap, check_index, check_indices
+from ._sampler import ShareSampler
+from ._share import Share, share_option
 from ._store import Store
 from .errors import CacheReadOnlyWarning, SampleNotCachedError
 
@@ -63,6 +65,14 @@ class MmapCachedDataset(Dataset):
             are always ragged; other fields keep the first sample's shape.
         max_shapes: ``{field_path: max_shape}`` for varying fields stored instead in fixed rows of the maximum
             shape (each sample's actual shape is stored beside it, and a hit returns exactly what was stored).
+        node_share: cache only this node's share of the dataset (multi-node jobs whose dataset is larger than one
+            node's memory): ``True`` finds the node and node count from torchrun, SLURM or an initialised process
+            group; ``(node, nodes)`` gives them. Every node computes the same seeded partition into ``nodes``
+            near-equal parts (seeded by ``seed``) and caches its own; read with ``ds.sampler()``, whose ranks
+            read only their node's share. Recorded in the cache: reopening with another node or node count is a
+            ``CacheMismatchError``.
+        rotate_every: with ``node_share``, draw the partition again every this many epochs (``set_epoch``), so
+            each node sees other samples over a long run; each rotation refills the share from the source.
         delete_on_close: remove the cache when the last process using it closes it or exits.
         check_finite: refuse (ValueError, nothing stored) samples with NaN or infinite floating-point values.
         deterministic: whether the source returns the same sample for the same index every time (default True).
@@ -97,6 +107,8 @@ class MmapCachedDataset(Dataset):
         stale: str = "recompute",
         ragged: Sequence[str] | str | None = None,
         max_shapes: Mapping[str, Sequence[int]] | None = None,
+        node_share: bool | tuple[int, int] = False,
+        rotate_every: int | None = None,
         delete_on_close: bool = False,
         check_finite: bool = False,
         deterministic: bool = True,
@@ -125,8 +137,10 @@ class MmapCachedDataset(Dataset):
         self._reader: RowReader | None = None
         self._open_lock = threading.Lock()
         self._source_length = source_length(dataset) if dataset is not None else 0
+        share = share_option(node_share, rotate_every, self.seed)
         self._request = Request(self.path, self.fingerprint, CreateOptions(max_bytes, cache_indices, variants,
-                                max_shapes, ragged), overwrite, self.delete_on_close, self.variant_choice, self.seed)
+                                max_shapes, ragged, share), overwrite, self.delete_on_close, self.variant_choice,
+                                self.seed)
         store, self.created = open_cache(self._request, self._source())
         self._identity = identity(store)
         self._bind(store)
@@ -187,8 +201,9 @@ class MmapCachedDataset(Dataset):
             reader = self._ensure_open()
         n = self._length
         i = index if type(index) is int and 0 <= index < n else check_index(index, n, self._where())
-        row = self._rows.row(i, self._epoch_view[0])
-        sample = reader.read(row) if row >= 0 else None
+        rows = self._rows
+        row = rows.row(i, self._epoch_view[0])
+        sample = reader.read(row, i if rows.keyed else -1) if row >= 0 else None
         if sample is None:
             sample = self._miss(i, row)
         return self.transform(sample) if self.transform is not None else sample
@@ -207,13 +222,15 @@ class MmapCachedDataset(Dataset):
     def _gather(self, idx: np.ndarray, epoch: int, alloc: Callable[..., np.ndarray] = np.empty) -> list[np.ndarray]:
         """Per field, the batch of values of ``idx`` in request order; misses are computed and stored."""
         reader = self._ensure_open()
+        keyed = self._rows.keyed
         rows = self._rows.rows_of(idx, epoch)
-        columns, missing = reader.gather(rows, alloc)
+        columns, missing = reader.gather(rows, alloc, idx if keyed else None)
         computed: list[tuple[int, int, list[Any]]] = []
         try:
             for k in missing:
                 index, row = int(idx[k]), int(rows[k])
-                values = reader.read_values(row) if row >= 0 else None  # rewritten during the gather: read again
+                # Rewritten during the gather: read again.
+                values = reader.read_values(row, index if keyed else -1) if row >= 0 else None
                 if values is None:
                     self._require_source(index, row)
                     values = self._checked(reader, self._fetch(index), index)
@@ -284,7 +301,7 @@ class MmapCachedDataset(Dataset):
         if not self._store.writable:
             _warn_read_only(self.path)
             return values
-        self._store.state.publish(row, index, lambda: reader.write(row, values))
+        self._store.state.publish(row, index, functools.partial(reader.write, row, values))
         return values
 
     # --- public API --------------------------------------------------------------------------------------------
@@ -292,16 +309,18 @@ class MmapCachedDataset(Dataset):
     def is_cached(self, index: int) -> bool:
         """Whether sample ``index`` (for the current epoch's variant) is filled. Safe across processes."""
         reader = self._ensure_open()
-        row = self._rows.row(check_index(index, self._length, self._where()), self._epoch_view[0])
-        return row >= 0 and reader.state.is_filled(row)
+        index = check_index(index, self._length, self._where())
+        row = self._rows.row(index, self._epoch_view[0])
+        return row >= 0 and reader.state.is_filled(row) and (not self._rows.keyed or reader.state.keys[row] == index)
 
     @property
     def num_cached(self) -> int:
         """How many samples ``is_cached`` (their current epoch's variant is filled). Safe across processes;
         costs a scan of the cacheable samples."""
         reader = self._ensure_open()
-        rows = self._rows.rows_of(self._rows.cacheable(), self._epoch_view[0])
-        return int(reader.state.filled_rows(rows).sum())
+        epoch = self._epoch_view[0]
+        idx = self._rows.cacheable(epoch)
+        return int(self._filled(reader, idx, self._rows.rows_of(idx, epoch)).sum())
 
     @property
     def num_cacheable(self) -> int:
@@ -325,19 +344,24 @@ class MmapCachedDataset(Dataset):
         self._epoch_view[0] = epoch
 
     def cacheable_indices(self) -> np.ndarray:
-        """The source indices the cache can hold, in slot order (int64)."""
-        return self._rows.cacheable()
+        """The source indices the cache can hold (this epoch's, for a rotating share), in slot order (int64)."""
+        return self._rows.cacheable(self._epoch_view[0])
+
+    def _filled(self, reader: RowReader, idx: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` (cacheable, of source indices ``idx``) hold their sample, their key checked where
+        rows change meaning (a rotating share)."""
+        return reader.state.filled_rows(rows, idx if self._rows.keyed else None)
 
     def missing_indices(self, indices: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
         """The cacheable ones among ``indices`` (default: all) whose current epoch's variant is not filled, or is
         stale. Safe across processes."""
         reader = self._ensure_open()
-        idx = self._rows.cacheable() if indices is None else check_indices(indices, self._length, self._where())
-        rows = self._rows.rows_of(idx, self._epoch_view[0])
+        epoch = self._epoch_view[0]
+        idx = self._rows.cacheable(epoch) if indices is None else check_indices(indices, self._length, self._where())
+        rows = self._rows.rows_of(idx, epoch)
         keep = rows >= 0
         idx, rows = idx[keep], rows[keep]
-        state = reader.state
-        return idx[~state.filled_rows(rows) | state.stale_rows(rows)] if len(rows) else idx
+        return idx[~self._filled(reader, idx, rows) | reader.state.stale_rows(rows)] if len(rows) else idx
 
     def refresh(self, fraction: float | None = None, indices: Sequence[int] | None = None) -> int:
         """Marks filled samples stale so they are recomputed (on access, or by ``mmapcache build --follow``).
@@ -352,7 +376,7 @@ class MmapCachedDataset(Dataset):
         if (fraction is None) == (indices is None):
             raise TypeError("refresh() takes exactly one of fraction= or indices=")
         if indices is not None:
-            rows = self._rows.all_rows_of(check_indices(indices, self._length, self._where()))
+            rows = self._rows.all_rows_of(check_indices(indices, self._length, self._where()), self._epoch_view[0])
         else:
             number = (int, float, np.integer, np.floating)
             if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, number) or not 0 <= fraction <= 1:
@@ -378,9 +402,11 @@ class MmapCachedDataset(Dataset):
                 f"or stale (first: {int(todo[0])}); open it with MmapCachedDataset(path, dataset)"
             )
         state, stored = reader.state, 0
+        keyed = self._rows.keyed
         for i in todo.tolist():
             row = self._rows.row(i, self._epoch_view[0])
-            if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1:  # re-check: others fill too
+            # Re-checked (others fill too); publish checks again under the lock.
+            if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1 or (keyed and state.keys[row] != i):
                 values = self._checked(reader, self._fetch(i), i)
                 stored += state.publish(row, i, functools.partial(reader.write, row, values))
         return stored
@@ -394,6 +420,19 @@ class MmapCachedDataset(Dataset):
         from .distributed import prefill
 
         return prefill(self, rank=rank, world_size=world_size, barrier=barrier)
+
+    @property
+    def share(self) -> Share | None:
+        """The node share this cache holds (``node_share``), or None for a full copy."""
+        return self._rows.share
+
+    def sampler(self, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False, rank: int | None = None,
+                world_size: int | None = None) -> ShareSampler:
+        """A distributed sampler that keeps each rank on its node's share (``DistributedSampler`` for a full
+        copy), with ``set_epoch``; ``ds.loader(sampler=ds.sampler())`` keeps the loader's batched gather. See
+        ``mmapcache._sampler`` for the order it yields."""
+        return ShareSampler(self, shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank,
+                            world_size=world_size)
 
     @property
     def reads_batches(self) -> bool:

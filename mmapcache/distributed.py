@@ -23,6 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ._share import env_int
+
 
 class Fillable(Protocol):
     """What ``prefill`` needs of a dataset (``MmapCachedDataset`` provides it)."""
@@ -55,9 +57,9 @@ def local_rank_and_size(path: str | None = None) -> tuple[int, int]:
     """
     env = os.environ
     if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env:
-        return _checked(_env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE"), "LOCAL_RANK/LOCAL_WORLD_SIZE")
+        return _checked(env_int("LOCAL_RANK"), env_int("LOCAL_WORLD_SIZE"), "LOCAL_RANK/LOCAL_WORLD_SIZE")
     if "SLURM_LOCALID" in env and "SLURM_NTASKS_PER_NODE" in env:
-        return _checked(_env_int("SLURM_LOCALID"), _env_int("SLURM_NTASKS_PER_NODE"),
+        return _checked(env_int("SLURM_LOCALID"), env_int("SLURM_NTASKS_PER_NODE"),
                         "SLURM_LOCALID/SLURM_NTASKS_PER_NODE")
     group = _process_group_local(path)
     if group is not None:
@@ -156,15 +158,6 @@ def _process_group_local(path: str | None) -> tuple[int, int] | None:
     dist.all_gather_object(keys, key)
     peers = [r for r, k in enumerate(keys) if k == key]
     return peers.index(dist.get_rank()), len(peers)
-
-
-def _env_int(name: str) -> int:
-    value = os.environ[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer; unset it or fix the "
-                         "launcher") from None
 
 
 def _as_int(value: object, name: str) -> int:

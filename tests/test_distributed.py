@@ -9,45 +9,17 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from helpers.processes import join_all, running
 from helpers.sources import Counting, ImageLabels
+from helpers.torchrun import TESTS, TIMEOUT, finish, free_port, torchrun
 from mmapcache import MmapCachedDataset
 from mmapcache.distributed import local_rank_and_size, prefill
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-TIMEOUT = 90.0
 N = 48
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Starts torchrun in its own session (so a hung job can be killed with all its ranks)."""
-    command = [sys.executable, "-m", "torch.distributed.run", *args]
-    return subprocess.Popen(command, env={**os.environ, **env, "PYTHONPATH": TESTS, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen) -> str:
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=TIMEOUT)
-        raise AssertionError(f"torchrun did not finish in {TIMEOUT} s:\n{out[-4000:]}") from None
-    assert proc.returncode == 0, out[-4000:]
-    return out
 
 
 def results(out_dir: str) -> list[dict]:
