@@ -18,6 +18,8 @@ from .errors import (
     SampleNotCachedError,
     SourceError,
     SpecError,
+    StreamBypassWarning,
+    StreamTimeoutError,
     UncachedFieldWarning,
     UnsupportedFileSystemError,
     UsageError,
@@ -53,7 +55,9 @@ __all__ = [
     "UsageError",
     "WorkerStartError",
     "SourceError",
+    "StreamTimeoutError",
     "CacheReadOnlyWarning",
+    "StreamBypassWarning",
     "UncachedFieldWarning",
 ]
 

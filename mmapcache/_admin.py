@@ -17,8 +17,13 @@ from .errors import CacheFormatError, CacheInUseError, CacheNotFoundError
 
 def users_of(path: str) -> list[int]:
     """Pids holding a lock on the cache's ``users`` file, read from ``/proc/locks`` (Linux)."""
+    return holders_of(path, fmt.USERS)
+
+
+def holders_of(path: str, name: str) -> list[int]:
+    """Pids holding an ``flock`` on the cache file ``name`` (``users``, ``producers``), from ``/proc/locks``."""
     try:
-        st = os.stat(os.path.join(path, fmt.USERS))
+        st = os.stat(os.path.join(path, name))
         with open("/proc/locks", encoding="ascii") as f:
             lines = f.read().splitlines()
     except OSError:

@@ -56,6 +56,7 @@ class BuildReport:
     refresh_seed: int | None = None
     interrupted: bool = False
     share: str | None = None  # the node share the cache holds, described (node k of N: M indices)
+    no_room: int = 0  # rows not stored because a heap had no room (max_bytes, or the file system)
 
     @property
     def ok(self) -> bool:
@@ -66,7 +67,9 @@ class BuildReport:
         state = " (interrupted)" if self.interrupted else ""
         return (f"{self.path}: filled {self.filled}, skipped {self.skipped} (already there), "
                 f"failed {len(self.failed)}, "
-                f"{self.elapsed:.1f} s, {rate:.1f} samples/s, {format_size(self.bytes)} written{state}"
+                + (f"not stored for lack of heap room {self.no_room} (raise --max-bytes or free space), "
+                   if self.no_room else "")
+                + f"{self.elapsed:.1f} s, {rate:.1f} samples/s, {format_size(self.bytes)} written{state}"
                 + (f"; share: {self.share}" if self.share else ""))
 
 
@@ -234,10 +237,12 @@ class Driver:
         if not self.following:
             report.skipped += result["skipped"]
         report.bytes += result["filled"] * self.row_bytes
+        report.no_room += len(result["no_room"])
+        self.failed_rows.update(result["no_room"])  # not tried again in this build (--follow would spin on them)
         for index, variant, error in result["failed"]:
             report.failed.append(Failure(index, variant, error))
             self.failed_rows.add(self.rowmap.slot(index) * self.rowmap.variants + variant)
-        self._show(result["filled"] + result["skipped"] + len(result["failed"]))
+        self._show(result["filled"] + result["skipped"] + len(result["failed"]) + len(result["no_room"]))
 
     # --- progress ----------------------------------------------------------------------------------------------
 

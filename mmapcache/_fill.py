@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ._filled import ChunkClaims
+from ._filled import ChunkClaims, NoRoom
 from ._reader import RowReader
 from ._rows import RowMap
 from ._specs import DatasetSpec
@@ -83,7 +83,8 @@ class _Worker:
 class Filler:
     """A map-style dataset whose item ``t`` performs task ``tasks[t]`` and returns counts (DataLoader protocol).
 
-    A result is ``{"chunk", "busy", "filled", "skipped", "failed": [(index, variant, error)], "removed"}``:
+    A result is ``{"chunk", "busy", "filled", "skipped", "failed": [(index, variant, error)], "removed",
+    "no_room": [row]}`` (rows not stored for lack of heap room):
     ``busy`` when the chunk was claimed by another build (and ``wait`` is off), ``removed`` (a message) when the
     cache was removed or replaced under the build, which then stops.
     """
@@ -105,7 +106,7 @@ class Filler:
         assert worker is not None  # made just above
         chunk, row = self.tasks[task]
         result: dict[str, Any] = {"chunk": chunk, "busy": False, "filled": 0, "skipped": 0, "failed": [],
-                                  "removed": None}
+                                  "removed": None, "no_room": []}
         while not worker.claims.try_claim(chunk):
             if not self.wait:
                 result["busy"] = True
@@ -131,7 +132,11 @@ class Filler:
                 if worker.set_epoch is not None:
                     worker.set_epoch(variant)  # sources that key their augmentation on the epoch
                 values = reader.check(worker.dataset[index], index)
-                stored = state.publish(row, index, functools.partial(reader.write, row, values))
+                try:
+                    stored = state.publish(row, index, functools.partial(reader.write, row, values))
+                except NoRoom:
+                    result["no_room"].append(row)  # the heap is full: reported, not an error of the sample
+                    continue
             except (CacheFormatError, CacheNotFoundError) as exc:
                 if worker.store.moved():  # removed under us (`mmapcache rm --force`): not this sample's fault
                     result["removed"] = str(exc)

@@ -26,6 +26,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -33,9 +34,12 @@ from ._files import open_file
 from ._format import FILLED, KEYS, LOCK, SEQ, STALE
 from .errors import CacheFormatError, CacheReadOnlyError
 
+T = TypeVar("T")
+
 
 class NoRoom(Exception):
-    """Raised by a row's ``write`` before it writes anything: a heap has no room for the value."""
+    """Raised by a row's ``write`` before it writes anything, and then by ``publish``: a heap has no room for the
+    value (the sample is served uncached)."""
 
 
 def bitmap_bytes(rows: int) -> int:
@@ -201,22 +205,39 @@ class SlotState:
                 "this process opened the cache read-only (no write permission on its files, or a read-only mount)"
             )
 
-    def publish(self, row: int, key: int, write: Callable[[bool], None]) -> bool:
-        """Stores row ``row`` (holding source index ``key``) by calling ``write(owned)`` under the lock, unless it
-        is already filled with ``key`` and not stale. ``owned`` says whether the row's previous bytes are intact
-        (its counter was even and it had been written): only then are its old heap extents its own to reuse or
-        free. ``write`` may raise ``NoRoom`` before writing anything (a full heap): the row is then left as it
-        was. Returns whether this call stored the row. Safe across processes and threads."""
+    def under_lock(self, change: Callable[[], T]) -> T:
+        """Runs ``change()`` under the writer lock and returns its result: for state kept beside these files and
+        changed under the same lock (the stream ring's counters, ``_stream``). Safe across processes and threads."""
         self._require_writable()
         with self.lock:
+            return change()
+
+    def publish(self, row: int, key: int, write: Callable[[bool], None],
+                wanted: Callable[[], bool] | None = None) -> bool:
+        """Stores row ``row`` (holding source index ``key``) by calling ``write(owned)`` under the lock, unless it is
+        already filled with ``key`` and not stale. ``owned`` says whether the row's previous bytes are intact
+        (its counter was even and it had been written): only then are its old heap extents its own to reuse or
+        free. ``write`` may raise ``NoRoom`` before writing anything (a full heap): the row is then left as it
+        was, and ``NoRoom`` propagates (the caller serves the sample uncached, and counts it). ``wanted``, if
+        given, is asked under the lock first: False leaves the row alone (a stream position its reader has
+        passed). Returns whether this call stored the row. Safe across processes and threads."""
+        self._require_writable()
+        with self.lock:
+            if wanted is not None and not wanted():
+                return False
             return self._publish_locked(row, key, write)
 
     def publish_many(self, items: list[tuple[int, int, Callable[[bool], None]]]) -> int:
-        """``publish`` for several ``(row, key, write)`` under one acquisition of the lock (a batch's misses).
-        Returns how many this call stored. Safe across processes and threads."""
+        """``publish`` for several ``(row, key, write)`` under one acquisition of the lock (a batch's misses);
+        rows without heap room (``NoRoom``) are skipped. Returns how many this call stored. Safe across processes
+        and threads."""
         self._require_writable()
+        stored = 0
         with self.lock:
-            return sum(self._publish_locked(row, key, write) for row, key, write in items)
+            for row, key, write in items:
+                with contextlib.suppress(NoRoom):
+                    stored += self._publish_locked(row, key, write)
+        return stored
 
     def _publish_locked(self, row: int, key: int, write: Callable[[bool], None]) -> bool:
         """Caller holds the writer lock."""
@@ -230,7 +251,7 @@ class SlotState:
             write(not seq & 1 and seq != 0)
         except NoRoom:
             self.seq[row] = seq  # nothing was written: the row stays what it was
-            return False
+            raise
         self.keys[row] = key
         self.seq[row] = ((seq | 1) + 1) & 0xFFFFFFFF or 2  # wraps past 0 to 2: 0 means "never written"
         self.filled[byte] |= mask

@@ -43,6 +43,9 @@ KINDS = (TENSOR, NDARRAY, INT, FLOAT, BOOL, NPSCALAR, STR, BYTES, PYLIST, JSON, 
 # Kinds stored as UTF-8 / raw bytes in a heap, always ragged.
 BYTE_KINDS = (STR, BYTES, JSON, NPSTR, NPBYTES)
 TEXT_KINDS = (STR, BYTES, NPSTR, NPBYTES)
+# str is stored as UTF-8, with lone surrogates (a file name os.fsdecode made of non-UTF-8 bytes) passed through as
+# their 3-byte forms: any Python str comes back exactly.
+TEXT_ERRORS = "surrogatepass"
 
 # A layout of more fields than this is refused before anything is created: it is almost always a sample whose
 # arrays arrived as Python containers of arrays (one file per field would exhaust open files).
@@ -282,7 +285,8 @@ def _leaf(obj: Any, path: str) -> Leaf:
         return Leaf(Field(path, FLOAT, "<f8", ()), np.asarray(obj, dtype=np.float64))
     if isinstance(obj, str):
         kind = NPSTR if isinstance(obj, np.str_) else STR
-        return Leaf(Field(path, kind, "|u1", (-1,), ragged=True), np.frombuffer(obj.encode(), np.uint8))
+        return Leaf(Field(path, kind, "|u1", (-1,), ragged=True), np.frombuffer(obj.encode("utf-8", TEXT_ERRORS),
+                                                                        np.uint8))
     if isinstance(obj, bytes):
         kind = NPBYTES if isinstance(obj, np.bytes_) else BYTES
         return Leaf(Field(path, kind, "|u1", (-1,), ragged=True), np.frombuffer(obj, np.uint8))
@@ -501,11 +505,12 @@ class Layout:
             fields.append(field)
         return cls(structure, tuple(fields))
 
-    def check(self, sample: Any, index: int) -> list[np.ndarray]:
+    def check(self, sample: Any, index: int, path: str = "PATH") -> list[np.ndarray]:
         """Flattens a sample and checks it against this layout; returns its leaves' values in field order.
 
         Raises:
-            LayoutError: naming the index, the field path, and what was expected versus found.
+            LayoutError: naming the index, the field path, and what was expected versus found (and ``path``, the
+                cache's, in the fix).
         """
         try:
             structure, leaves = flatten(sample)
@@ -515,7 +520,8 @@ class Layout:
             raise LayoutError(
                 f"sample {index} has a different structure from the cache's first sample: expected "
                 f"{describe_structure(self.structure)}, found {describe_structure(structure)}; every sample must "
-                "have the same containers and field paths"
+                "have the same containers and field paths (a list of strings or of tensors is one field per element, "
+                "so its length cannot vary: join the strings into one str, stack the tensors, or pad to one length)"
             )
         values = []
         for field, leaf in zip(self.fields, leaves):
@@ -532,7 +538,8 @@ class Layout:
                 hint = ""
                 if field.kind == PYLIST == found.kind:
                     hint = (" (a list of numbers takes its element type from the first sample, float64 if that list "
-                            "was empty; ragged='auto' learns it from more samples)")
+                            "was empty: remove this cache (`mmapcache rm` it) and create it again with "
+                            "ragged='auto', which learns the type from more samples)")
                 raise LayoutError(
                     f"sample {index}, field {field.name!r}: expected {what(field)}, found {what(found)}; "
                     f"make the wrapped dataset return the same types for every index{hint}"
@@ -540,7 +547,7 @@ class Layout:
             if field.variable:
                 _check_fits(field, field.shape, found.shape, index)
             elif not field.fits(found.shape):
-                raise LayoutError(_shape_message(field, found.shape, index))
+                raise LayoutError(_shape_message(field, found.shape, index, path))
             values.append(value)
         return values
 
@@ -577,7 +584,11 @@ def _ragged_field(field: Field, shapes: set[tuple[int, ...]], declared: bool) ->
     return replace(field, shape=shape, ragged=True)
 
 
-def _shape_message(field: Field, found: tuple[int, ...], index: int) -> str:
+def _shape_message(field: Field, found: tuple[int, ...], index: int, path: str) -> str:
+    if field.ragged and len(found) != len(field.shape):
+        return (f"sample {index}, field {field.name!r}: {len(found)} dimensions {found}, where the field has "
+                f"{len(field.shape)}; a ragged field may vary in size but not in number of dimensions: reshape its "
+                "values in the wrapped dataset")
     if field.ragged:
         return (f"sample {index}, field {field.name!r}: shape {found} does not fit the field's shape "
                 f"{tuple('*' if d < 0 else d for d in field.shape)} (* varies); its other dimensions and the number of "
@@ -590,7 +601,7 @@ def _shape_message(field: Field, found: tuple[int, ...], index: int) -> str:
             f"varies, and the cache stores it in fixed rows of the first sample's shape. Declare it "
             f"ragged=[{field.name!r}] (values packed at their own size; or ragged='auto' to find every such field "
             f"from a few samples) or max_shapes={{{field.name!r}: ...}} (fixed rows of a maximum shape) in a new "
-            "cache: pass overwrite=True with the option, or remove this cache (`mmapcache rm PATH`) first")
+            f"cache: pass overwrite=True with the option, or remove this cache (`mmapcache rm {path}`) first")
 
 
 def _check_unique_names(structure: Any, leaves: list[Leaf]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import sys
 import types
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,9 @@ class BatchReader(Protocol):
     @property
     def reads_batches(self) -> bool: ...
 
+    @property
+    def fields(self) -> list[str]: ...
+
     def read_batch(self, indices: Sequence[int] | np.ndarray, epoch: int | None = None, pad: Any = None) -> Any: ...
 
     def __len__(self) -> int: ...
@@ -40,6 +44,8 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> DataLoader:
     _check_workers_can_import(ds, kwargs)
     collate = kwargs.get("collate_fn")
     pad = collate if isinstance(collate, PadCollate) else None  # fused into the gather: pads from the heaps
+    if pad is not None:
+        pad.check_fields(set(ds.fields))
     if (collate is not None and pad is None) or not ds.reads_batches:
         return DataLoader(ds, **kwargs)  # type: ignore[arg-type]
     batch_size = kwargs.pop("batch_size", 1)
@@ -83,8 +89,9 @@ def _check_workers_can_import(ds: BatchReader, kwargs: dict[str, Any]) -> None:
     else:
         method = context if isinstance(context, str) else context.get_start_method()
     main = sys.modules.get("__main__")
-    if method == "fork" or main is None or getattr(main, "__file__", None):
-        return  # fork copies the process; a script's __main__ is re-imported by the workers
+    script = getattr(main, "__file__", None)
+    if method == "fork" or main is None or (script and os.path.isfile(script)):
+        return  # fork copies the process; a script's __main__ is re-imported by the workers (not '<stdin>')
     parts = {"the source dataset": getattr(ds, "dataset", None), "transform": getattr(ds, "transform", None),
              **{name: kwargs.get(name) for name in ("collate_fn", "worker_init_fn", "sampler", "batch_sampler")}}
     for what, obj in parts.items():

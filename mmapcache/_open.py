@@ -21,6 +21,7 @@ A process that reopens a cache it used before (a DataLoader worker, a reopen aft
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -33,6 +34,7 @@ import numpy as np
 from . import _admin, _create
 from ._codec import differing_field
 from ._create import plan_bytes
+from ._filled import NoRoom
 from ._layout import PYLIST, Layout, flatten
 from ._options import CreateOptions
 from ._reader import RowReader
@@ -166,8 +168,9 @@ def first_index(options: CreateOptions, length: int) -> int:
     return int(options.cache_indices[0]) if options.cache_indices is not None else 0
 
 
-# With ragged="auto", the samples a creator computes to learn which fields are ragged (their shapes differ): the
-# first and this many more, spread over the cacheable indices. They are stored, so none is computed twice.
+# With ragged="auto", the samples a creator computes to learn which fields are ragged (their shapes differ), and
+# with max_bytes to estimate the ragged values' size: the first and this many more, spread over the cacheable
+# indices. They are stored, so none is computed twice.
 _PROBES = 8
 
 
@@ -182,12 +185,15 @@ def _create_locked(request: Request, source: Source) -> None:
     except LayoutError as exc:
         raise LayoutError(f"sample {index}: {exc}") from None
     samples = [(index, sample)]
-    if options.ragged == "auto" and (any(f.shape and not f.ragged and not f.variable for f in layout.fields)
-                                     or _has_empty_list(sample)):
+    auto = options.ragged == "auto" and (any(f.shape and not f.ragged and not f.variable for f in layout.fields)
+                                         or _has_empty_list(sample))
+    # With max_bytes, ragged values' sizes decide how many samples fit: estimate them from more than one sample.
+    if auto or (options.max_bytes is not None and layout.ragged):
         slots, slot_index, _ = options.plan(layout, source.length)
         cacheable = np.arange(slots) if slot_index is None else slot_index
         spread = cacheable[np.linspace(0, len(cacheable) - 1, _PROBES).astype(np.int64)]
         samples += [(int(i), source.fetch(int(i))) for i in dict.fromkeys(spread.tolist()) if i != index]
+    if auto:
         try:
             layout = Layout.from_samples([s for _, s in samples], options.max_shapes, options.declared_ragged)
         except LayoutError as exc:
@@ -215,7 +221,8 @@ def _create_locked(request: Request, source: Source) -> None:
                     if number == 0:
                         raise
                     continue  # a probe that cannot be stored fails the same way when it is read
-                store.state.publish(row, i, functools.partial(reader.write, row, values))
+                with contextlib.suppress(NoRoom):  # a probe without heap room (max_bytes): computed again later
+                    store.state.publish(row, i, functools.partial(reader.write, row, values))
         finally:
             store.close()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,9 +29,23 @@ from ._codec import (
 from ._filled import NoRoom
 from ._gather import take
 from ._heap import UNCACHED, Heap, budget_left
-from ._layout import BOOL, BYTES, FLOAT, INT, JSON, NDARRAY, NPSCALAR, PYLIST, STR, TENSOR, TEXT_KINDS, Field
+from ._layout import (
+    BOOL,
+    BYTES,
+    FLOAT,
+    INT,
+    JSON,
+    NDARRAY,
+    NPSCALAR,
+    PYLIST,
+    STR,
+    TENSOR,
+    TEXT_ERRORS,
+    TEXT_KINDS,
+    Field,
+)
 from ._store import Store
-from .errors import UncachedFieldWarning
+from .errors import UncachedFieldWarning, warn
 
 # A reader that loses the seqlock race this many times in a row (a row rewritten again and again) gives up and
 # treats the row as a miss, which waits for the writer lock instead of spinning.
@@ -54,7 +67,7 @@ class RowReader:
         self.ragged = [n for n, f in enumerate(self.fields) if f.ragged]
         self.wrap = subclass_wrapper(layout)
         self.build = sample_builder(layout.structure)
-        self.check = compile_checker(layout)
+        self.check = compile_checker(layout, store.path)
         self.build_batch = batch_builder(layout.structure)
         self._readers = [self._field_reader(n) for n in range(len(self.fields))]
         # Closures over the maps, never over self: a cycle through self would keep the maps (and the file
@@ -219,10 +232,10 @@ class RowReader:
         budget = self.store.heap_budget
         why = f"the cache's heap budget ({budget} bytes, from max_bytes)" if budget is not None else \
             "the file system"
-        warnings.warn(
+        warn(
             f"the cache at {self.store.path} has no room left in {why} for field {field.name!r}: further samples "
             "that need room pass through uncached (computed from the source on every access; `mmapcache inspect` "
-            "counts them). Give the cache a larger max_bytes, or free space", UncachedFieldWarning, stacklevel=5,
+            "counts them). Give the cache a larger max_bytes, or free space", UncachedFieldWarning,
         )
 
     # --- batches -----------------------------------------------------------------------------------------------
@@ -289,7 +302,8 @@ class RowReader:
 
     def collate(self, columns: list[Any], pad: Any = None) -> Any:
         """The batch as ``default_collate`` would build it, from gathered columns (no extra copy). A ragged field
-        becomes a list of its values, or with ``pad`` (a ``PadCollate``) a ``Padded`` batch."""
+        becomes a list of its values, or with ``pad`` (a ``PadCollate``) a ``Padded`` batch; a list of numbers
+        (always ragged) whose values in this batch have one length is transposed as ``default_collate`` does."""
         leaves = []
         for field, convert, split, column in zip(self.fields, self._batch_converters, self._splitters, columns):
             if not field.ragged:
@@ -299,9 +313,20 @@ class RowReader:
             elif pad is not None and field.kind not in TEXT_KINDS and (
                     pad.fields is None or field.name in pad.fields):
                 leaves.append(pad.pad(*column.merged(), _torch_target(field)))
+            elif field.kind == PYLIST and len(field.shape) == 1 and _one_length(column):
+                flat, counts, _ = column.merged()
+                leaves.append(convert(flat.reshape(len(counts), -1)))
             else:
                 leaves.append(split(column))
         return self.build_batch(leaves)
+
+
+def _one_length(column: RaggedColumn) -> bool:
+    """Whether every value of a batch of 1-D values has the same length (misses included)."""
+    lengths = column.counts.tolist()
+    for position, value in column.patches.items():
+        lengths[position] = value.size
+    return bool(lengths) and lengths.count(lengths[0]) == len(lengths)
 
 
 def _raw_reader(data: np.ndarray, shapes: np.ndarray | None) -> Callable[[int], np.ndarray]:
@@ -361,7 +386,7 @@ def _str_reader(index: np.ndarray, heap: Heap) -> Callable[[int], str]:
         buf = heap.buf if end <= heap.size else heap.covering(end)
         if offset < 0 or nbytes < 0 or nbytes > capacity or end > len(buf):
             raise _Torn
-        return buf.data[offset:end].tobytes().decode()
+        return buf.data[offset:end].tobytes().decode("utf-8", TEXT_ERRORS)
     return read
 
 
@@ -470,7 +495,7 @@ def _ragged_splitter(field: Field) -> Callable[[RaggedColumn], list[Any]]:
                 out[position] = value.tobytes()
             if make is not None:
                 return [make(np.frombuffer(b, np.uint8)) for b in out]
-            return [b.decode() for b in out] if decode else out
+            return [b.decode("utf-8", TEXT_ERRORS) for b in out] if decode else out
         return split_text
     convert = leaf_converter(field)
     if field.kind == TENSOR:

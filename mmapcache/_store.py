@@ -123,6 +123,9 @@ class Store:
             raise
         except OSError as exc:
             self._finalizer()  # every descriptor opened so far: a process out of them (EMFILE) must get them back
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                exc.add_note(f"mmapcache: a cache keeps one or two open files per field ({len(self.layout.fields)} "
+                             "fields here); raise the open-file limit (`ulimit -n`), or return fewer, larger fields")
             if exc.errno in (errno.ENODEV, errno.EINVAL, errno.EOPNOTSUPP):
                 raise UnsupportedFileSystemError(
                     f"{path}: the file system does not support shared memory maps ({exc.strerror}); put the cache on "

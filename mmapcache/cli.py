@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -233,6 +234,25 @@ def _parser() -> _Parser:
 # --- commands ----------------------------------------------------------------------------------------------------
 
 
+def _failure_lines(failures: Sequence[Any], shown: int = 20) -> list[str]:
+    """One line per distinct error (the sample numbers in it masked), naming the samples that raised it: a source
+    that fails the same way on 42 samples prints one line, not 42."""
+    groups: dict[str, list[Any]] = {}
+    for failure in failures:
+        key = re.sub(r"\bsample \d+", "sample N", failure.error)
+        groups.setdefault(key, []).append(failure)
+    lines = []
+    for same in list(groups.values())[:shown]:
+        if len(same) == 1:
+            lines.append(str(same[0]))
+            continue
+        indices = ", ".join(str(f.index) for f in same[:8]) + (", ..." if len(same) > 8 else "")
+        lines.append(f"{len(same)} samples ({indices}), e.g. {same[0]}")
+    if len(groups) > shown:
+        lines.append(f"... and {len(groups) - shown} more distinct errors")
+    return lines
+
+
 def _ragged(text: str | None) -> list[str] | str | None:
     """``--ragged``: ``auto``, or field paths separated by commas."""
     if text is None or text == "auto":
@@ -270,10 +290,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     if report.marked_stale:
         print(f"marked {report.marked_stale} rows stale for refresh (seed {report.refresh_seed})")
     print(report.summary(), flush=True)
-    for failure in report.failed[:20]:
-        print(f"mmapcache: failed: {failure}", file=sys.stderr)
-    if len(report.failed) > 20:
-        print(f"mmapcache: ... and {len(report.failed) - 20} more failures", file=sys.stderr)
+    for line in _failure_lines(report.failed):
+        print(f"mmapcache: failed: {line}", file=sys.stderr)
     if report.failed:
         what = "stopped at the first failure (--fail-fast)" if args.fail_fast else "the other samples are stored"
         print(f"mmapcache: {len(report.failed)} sample(s) failed; {what}; fix the source and rerun the same command "
@@ -423,6 +441,8 @@ def _render(info: dict[str, Any]) -> str:
 
 
 def _render_field(field: dict[str, Any]) -> str:
+    if field["kind"] == "json":  # a tensor subclass's attributes, a field of their own
+        return f"{field['name']}: the attributes of {field['name'].removesuffix('#meta')!r} (JSON, ragged)"
     shape = "x".join("*" if d < 0 else str(d) for d in field["shape"]) or "scalar"
     text = f"{field['name']}: {field['kind']} {field['dtype']} {shape}"
     if field["variable"]:

@@ -46,6 +46,8 @@ class PadCollate:
                  fields: Iterable[str] | None = None) -> None:
         if isinstance(pad_value, (np.generic,)):
             pad_value = pad_value.item()
+        if isinstance(fields, str):
+            raise TypeError(f"fields must be a list of field paths, got the str {fields!r}; write fields=[{fields!r}]")
         if not isinstance(pad_value, (int, float, bool)):
             raise TypeError(f"pad_value must be a number, got {type(pad_value).__name__}")
         if not isinstance(mask, bool):
@@ -53,21 +55,34 @@ class PadCollate:
         self.pad_value = pad_value
         self.mask = mask
         self.fields = None if fields is None else frozenset(fields)
+        if self.fields is not None and not all(isinstance(name, str) for name in self.fields):
+            raise TypeError(f"fields must be field paths (str), got {sorted(map(repr, self.fields))}")
 
     def __call__(self, batch: list[Any]) -> Any:
-        return self._collate(batch, "")
+        seen: set[str] = set()
+        out = self._collate(batch, "", seen)
+        self.check_fields(seen)
+        return out
 
-    def _collate(self, values: list[Any], path: str) -> Any:
+    def check_fields(self, paths: set[str]) -> None:
+        """A ValueError if ``fields`` names a path the samples do not have (a typo would silently not pad)."""
+        if self.fields is not None and not self.fields <= paths:
+            raise ValueError(f"PadCollate(fields=...) names {sorted(self.fields - paths)}, which the samples do not "
+                             f"have; their fields are {sorted(paths)}")
+
+    def _collate(self, values: list[Any], path: str, seen: set[str]) -> Any:
         first = values[0]
         if isinstance(first, Mapping):
-            return {key: self._collate([v[key] for v in values], _join(path, key)) for key in first}
+            return {key: self._collate([v[key] for v in values], _join(path, key), seen) for key in first}
         if isinstance(first, tuple) and hasattr(type(first), "_fields"):
-            return type(first)(*(self._collate([v[i] for v in values], _join(path, str(i)))
+            return type(first)(*(self._collate([v[i] for v in values], _join(path, str(i)), seen)
                                  for i in range(len(first))))
-        if isinstance(first, (tuple, list)) and not _is_number_list(first):
-            return [self._collate([v[i] for v in values], _join(path, str(i))) for i in range(len(first))]
-        if isinstance(first, (torch.Tensor, np.ndarray, list)) and self._pads(path, values):
-            arrays = [_as_numpy(v) for v in values]
+        numbers = _number_lists(values)
+        if isinstance(first, (tuple, list)) and not numbers:
+            return [self._collate([v[i] for v in values], _join(path, str(i)), seen) for i in range(len(first))]
+        seen.add(path or "<sample>")
+        if (isinstance(first, (torch.Tensor, np.ndarray)) or numbers) and self._pads(path, values):
+            arrays = _as_arrays(values) if numbers else [_as_numpy(v) for v in values]
             counts = np.array([a.size for a in arrays], np.int64)
             flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.empty(0)
             shapes = np.array([a.shape for a in arrays], np.int64).reshape(len(arrays), -1)
@@ -145,11 +160,27 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def _is_number_list(value: Any) -> bool:
-    probe = value
-    while type(probe) is list and probe:
-        probe = probe[0]
-    return type(value) is list and type(probe) in (int, float, bool)
+def _number_lists(values: list[Any]) -> bool:
+    """Whether a batch's values are lists of Python numbers (token ids), some of them possibly empty ``[]``."""
+    found = False
+    for value in values:
+        if type(value) is not list:
+            return False
+        probe = value
+        while type(probe) is list and probe:
+            probe = probe[0]
+        if type(probe) in (int, float, bool):
+            found = True
+        elif value:
+            return False
+    return found
+
+
+def _as_arrays(values: list[list[Any]]) -> list[np.ndarray]:
+    """Lists of numbers as arrays of one dtype, the non-empty lists' (an empty list has no type of its own)."""
+    arrays = [np.asarray(v) for v in values]
+    dtype = np.result_type(*[a.dtype for a in arrays if a.size]) if any(a.size for a in arrays) else np.float64
+    return [a.astype(dtype, copy=False) for a in arrays]
 
 
 def _as_numpy(value: Any) -> np.ndarray:

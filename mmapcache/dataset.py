@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import operator
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -17,6 +17,8 @@ import torch
 from torch.utils.data import Dataset
 
 from ._create import parent_lock
+from ._filled import NoRoom
+from ._heap import UNCACHED
 from ._open import Request, Source, identity, open_cache
 from ._options import STALE_MODES, CreateOptions, check_bool, check_choice, check_optional_str, source_length
 from ._paths import resolve_path
@@ -25,7 +27,8 @@ from ._rows import VARIANT_CHOICES, RowMap, check_index, check_indices
 from ._sampler import ShareSampler
 from ._share import Share, share_option
 from ._store import Store
-from .errors import CacheReadOnlyWarning, SampleNotCachedError
+from .distributed import DEFAULT_PATIENCE
+from .errors import CacheReadOnlyWarning, SampleNotCachedError, warn
 
 __all__ = ["MmapCachedDataset"]
 
@@ -301,7 +304,8 @@ class MmapCachedDataset(Dataset):
         if not self._store.writable:
             _warn_read_only(self.path)
             return values
-        self._store.state.publish(row, index, functools.partial(reader.write, row, values))
+        with contextlib.suppress(NoRoom):  # no heap room: served uncached (counted, and warned once)
+            self._store.state.publish(row, index, functools.partial(reader.write, row, values))
         return values
 
     # --- public API --------------------------------------------------------------------------------------------
@@ -311,16 +315,28 @@ class MmapCachedDataset(Dataset):
         reader = self._ensure_open()
         index = check_index(index, self._length, self._where())
         row = self._rows.row(index, self._epoch_view[0])
-        return row >= 0 and reader.state.is_filled(row) and (not self._rows.keyed or reader.state.keys[row] == index)
+        state = reader.state
+        return row >= 0 and state.is_filled(row) and (not self._rows.keyed or state.keys[row] == index) and not (
+            reader.recompute_stale and state.stale[row >> 3] >> (row & 7) & 1)
 
     @property
     def num_cached(self) -> int:
-        """How many samples ``is_cached`` (their current epoch's variant is filled). Safe across processes;
-        costs a scan of the cacheable samples."""
+        """How many samples ``is_cached`` (their current epoch's variant is filled, and not stale with
+        ``stale="recompute"``). Safe across processes; costs a scan of the cacheable samples."""
         reader = self._ensure_open()
         epoch = self._epoch_view[0]
         idx = self._rows.cacheable(epoch)
-        return int(self._filled(reader, idx, self._rows.rows_of(idx, epoch)).sum())
+        rows = self._rows.rows_of(idx, epoch)
+        cached = self._filled(reader, idx, rows)
+        if reader.recompute_stale:
+            cached &= ~reader.state.stale_rows(rows)
+        return int(cached.sum())
+
+    @property
+    def uncached_by_heap(self) -> int:
+        """How many times a sample passed through uncached because a ragged field's heap had no room (every
+        access counts; ``max_bytes`` or the file system is full). Safe across processes."""
+        return int(self._ensure_open().store.heap_counters[:, UNCACHED].sum())
 
     @property
     def num_cacheable(self) -> int:
@@ -408,10 +424,12 @@ class MmapCachedDataset(Dataset):
             # Re-checked (others fill too); publish checks again under the lock.
             if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1 or (keyed and state.keys[row] != i):
                 values = self._checked(reader, self._fetch(i), i)
-                stored += state.publish(row, i, functools.partial(reader.write, row, values))
+                with contextlib.suppress(NoRoom):  # no heap room: stays a miss (counted in the heap, warned once)
+                    stored += state.publish(row, i, functools.partial(reader.write, row, values))
         return stored
 
-    def prefill(self, *, rank: int | None = None, world_size: int | None = None, barrier: bool = True) -> int:
+    def prefill(self, *, rank: int | None = None, world_size: int | None = None, barrier: bool = True,
+                patience: float = DEFAULT_PATIENCE) -> int:
         """Fills the cache before training, cooperatively with the other processes (DDP ranks) of this node: each
         computes a disjoint share, then they wait for each other. See ``mmapcache.distributed.prefill``.
 
@@ -419,7 +437,12 @@ class MmapCachedDataset(Dataset):
         """
         from .distributed import prefill
 
-        return prefill(self, rank=rank, world_size=world_size, barrier=barrier)
+        return prefill(self, rank=rank, world_size=world_size, barrier=barrier, patience=patience)
+
+    @property
+    def fields(self) -> list[str]:
+        """The field paths of a sample (``"image"``, ``"meta.0"``; see the README's "What a sample can be")."""
+        return [f.name for f in self._ensure_open().fields if f.kind != "json"]
 
     @property
     def share(self) -> Share | None:
@@ -500,7 +523,7 @@ _warned_read_only: set[str] = set()
 def _warn_read_only(path: str) -> None:
     if path not in _warned_read_only:
         _warned_read_only.add(path)
-        warnings.warn(
+        warn(
             f"the cache at {path} is read-only for this process (file permissions or a read-only mount): missing "
-            "samples are computed from the source but not stored", CacheReadOnlyWarning, stacklevel=4,
+            "samples are computed from the source but not stored", CacheReadOnlyWarning,
         )

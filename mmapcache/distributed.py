@@ -37,12 +37,17 @@ class Fillable(Protocol):
 
     def fill(self, indices: Sequence[int] | np.ndarray | None = None) -> int: ...
 
+    @property
+    def uncached_by_heap(self) -> int: ...
+
 __all__ = ["local_rank_and_size", "prefill"]
 
 # How long the cache-based barrier (no process group) waits without seeing any new sample filled before it
 # concludes that a peer died or was never started, and fills what is left itself.
 DEFAULT_PATIENCE = 60.0
 _POLL = 0.05
+# Without progress for this long after a heap ran out of room, the rest is taken as unstorable (see _wait_filled).
+_HEAP_FULL_PATIENCE = 1.0
 
 
 def local_rank_and_size(path: str | None = None) -> tuple[int, int]:
@@ -130,6 +135,8 @@ def _wait_filled(ds: Fillable, indices: np.ndarray, patience: float) -> int:
             missing_count, last_progress = len(missing), now
         elif now - last_progress >= patience:
             return ds.fill(missing)
+        elif now - last_progress >= _HEAP_FULL_PATIENCE and ds.uncached_by_heap:
+            return 0  # a heap ran out of room (max_bytes): what is missing may never be stored; don't wait for it
         time.sleep(_POLL)
 
 

@@ -8,6 +8,9 @@ Each class also inherits the builtin exception a caller would naturally catch.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 __all__ = [
     "MmapCacheError",
     "CacheNotFoundError",
@@ -103,6 +106,16 @@ class SourceError(MmapCacheError, RuntimeError):
     cache); the source's exception is chained as ``__cause__``."""
 
 
+class StreamTimeoutError(MmapCacheError, TimeoutError):
+    """A stream reader with ``on_miss="wait"`` waited longer than its timeout for a producer; the message says
+    whether one is running (and its pids)."""
+
+
+class StreamBypassWarning(UserWarning):
+    """A stream cache was read by index (``ds[i]``, ``DataLoader(ds)``): that computes from the source and never
+    reads the ring; read a stream through ``ds.loader()``."""
+
+
 class CacheReadOnlyWarning(UserWarning):
     """Misses are served from the source but cannot be stored (the cache is read-only for this process)."""
 
@@ -112,3 +125,17 @@ class UncachedFieldWarning(UserWarning):
     """A ragged field's heap has no room left (the file system, or the cache's ``max_bytes``): samples that need
     room are served from the source, uncached. Warned once per field and process; ``mmapcache inspect`` counts
     them."""
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first caller outside this package (the user's line, whichever internal
+    path led here: ``ds[i]``, ``ds.loader``, a build worker)."""
+    import sys
+    import warnings
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame: Any = sys._getframe(1)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -212,7 +212,9 @@ def test_spawn_workers_and_an_interactive_main_get_a_clear_error(cache_path: str
         except WorkerStartError as exc:
             print("refused:", exc)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "refused: the source dataset (Src) is defined in an interactive __main__" in out.stdout
-    assert "define it in a module" in out.stdout
+    for how in (["-c", code], ["-"]):  # python -c, and a script piped to stdin (__file__ is '<stdin>')
+        out = subprocess.run([sys.executable, *how], input=code if how == ["-"] else None, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "refused: the source dataset (Src) is defined in an interactive __main__" in out.stdout
+        assert "define it in a module" in out.stdout

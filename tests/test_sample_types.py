@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any
 
 import numpy as np
@@ -126,6 +127,73 @@ def test_max_shapes_on_a_field_without_a_shape_is_refused(untouched: Any, cache_
                                                           what) -> None:
     untouched(LayoutError, rf"max_shapes names field '{name}', {what}.*remove it from max_shapes",
               lambda: MmapCachedDataset(cache_path, [sample] * 3, max_shapes={name: (10,)}))
+
+
+def test_pad_collate_over_python_lists_with_empty_ones_keeps_ints_and_every_value() -> None:
+    pad = PadCollate(0, mask=True)
+    for batch in ([{"ids": [5, 6]}, {"ids": []}], [{"ids": []}, {"ids": [5, 6]}]):
+        ids = pad(batch)["ids"]
+        assert ids.data.dtype == torch.int64 and sorted(ids.lengths.tolist()) == [0, 2]
+        assert ids.data.tolist() in ([[5, 6], [0, 0]], [[0, 0], [5, 6]])
+    assert pad([[], [5, 6]]).data.tolist() == [[0, 0], [5, 6]]
+
+
+def test_pad_collate_fields_are_checked(cache_path: str) -> None:
+    with pytest.raises(TypeError, match=r"write fields=\['ids'\]"):
+        PadCollate(0, fields="ids")
+    with pytest.raises(ValueError, match=r"names \['nope'\], which the samples do not have; their fields are "
+                                         r"\['ids', 'y'\]"):
+        PadCollate(0, fields=["nope"])([{"ids": [1], "y": 1}])
+    with MmapCachedDataset(cache_path, [{"ids": [1] * (i + 1), "y": i} for i in range(4)]) as ds:
+        assert ds.fields == ["ids", "y"]
+        with pytest.raises(ValueError, match=r"names \['nope'\]"):
+            ds.loader(batch_size=2, collate_fn=PadCollate(0, fields=["nope"]))
+
+
+def test_lists_of_one_length_batch_as_default_collate_makes_them(cache_path: str) -> None:
+    """1-D lists are always stored ragged; a batch whose lists share a length is transposed as default_collate
+    does (embeddings, flags), one of different lengths is a list of lists."""
+    rows = [{"emb": [float(i), 0.5, -1.0], "ids": list(range(i % 3 + 1)), "label": i} for i in range(8)]
+    with MmapCachedDataset(cache_path, rows) as ds:
+        for _ in range(2):  # misses, then hits
+            fast = next(iter(ds.loader(batch_size=4)))
+            plain = next(iter(DataLoader(ds, batch_size=4, collate_fn=lambda b: torch.utils.data.default_collate(
+                [{"emb": s["emb"], "label": s["label"]} for s in b]))))
+            assert len(fast["emb"]) == 3 and all(torch.equal(a, b) for a, b in zip(fast["emb"], plain["emb"]))
+            assert fast["ids"] == [rows[i]["ids"] for i in range(4)]
+
+
+def test_any_str_comes_back_exactly_lone_surrogates_included(cache_path: str) -> None:
+    names = [os.fsdecode(b"img_\xff.jpg"), "a\ud800b", "plain \u00e9", ""]
+    with MmapCachedDataset(cache_path, [{"path": n, "i": k} for k, n in enumerate(names)]) as ds:
+        for _ in range(2):
+            assert [ds[k]["path"] for k in range(4)] == names
+        assert [s["path"] for s in ds.__getitems__([3, 2, 1, 0])] == names[::-1]
+        assert next(iter(ds.loader(batch_size=4)))["path"] == names
+
+
+def test_a_ragged_field_that_changes_its_number_of_dimensions_says_so(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, [torch.zeros((2,) * (1 + i % 2)) for i in range(4)], ragged=["<sample>"]) as ds:
+        with pytest.raises(LayoutError, match=r"sample 1, field '<sample>': 2 dimensions \(2, 2\), where the "
+                                              r"field has 1; a ragged field may vary in size but not in number of "
+                                              r"dimensions"):
+            ds[1]
+
+
+def test_a_full_heap_is_reported_by_build_counts_and_prefill(cache_path: str) -> None:
+    # The largest values come first: the cacheable prefix, planned from the mean of 9 probes, does not fit.
+    rows = [{"ids": torch.arange(10 + 40 * (199 - i), dtype=torch.int32)} for i in range(200)]
+    with pytest.warns(UncachedFieldWarning):
+        ds = MmapCachedDataset(cache_path, rows, ragged=["ids"], max_bytes="64K")
+        stored = ds.fill()
+    assert 0 < stored < ds.num_cacheable - 1 and ds.num_cached == stored + 1
+    assert ds.uncached_by_heap > 0
+    start = time.monotonic()
+    ds.prefill(rank=0, world_size=1)  # must not wait out its patience for rows that cannot be stored
+    assert time.monotonic() - start < 10
+    ds.refresh(indices=range(200))
+    assert ds.num_cached == 0  # stale rows are misses with stale="recompute", and not counted as cached
+    ds.close()
 
 
 def test_a_shape_varying_only_in_rare_samples_says_to_declare_it_ragged(cache_path: str) -> None:
