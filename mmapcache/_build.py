@@ -22,16 +22,19 @@ from typing import Any
 
 import numpy as np
 
+from . import _format as fmt
 from ._driver import BuildReport, Driver, Failure
 from ._fill import Plan, chunk_rows
 from ._open import Request, Source, open_cache
 from ._options import CreateOptions
 from ._paths import resolve_path
+from ._producer import Producer
 from ._rows import RowMap
 from ._share import Share, share_option
 from ._specs import DatasetSpec
 from ._store import Store
-from .errors import CacheReadOnlyError, SourceError
+from ._stream import Ring
+from .errors import CacheReadOnlyError, SourceError, UsageError
 
 __all__ = ["build", "BuildReport", "Failure", "auto_shard"]
 
@@ -69,6 +72,8 @@ def build(
     node_share: bool | tuple[int, int] = False,
     rotate_every: int | None = None,
     share_seed: int = 0,
+    stream: bool = False,
+    stream_seed: int = 0,
     follow: bool = False,
     fail_fast: bool = False,
     deterministic: bool = True,
@@ -99,8 +104,13 @@ def build(
             share is filled for its first generation (epochs ``0 .. rotate_every-1``).
         seed: the seed of ``refresh``'s choice of rows; None (default) draws a fresh one (``report.refresh_seed``),
             so that repeated refreshes cover different rows.
+        stream, stream_seed: create a stream (``MmapCachedDataset(stream=True, seed=stream_seed)``, its ring sized
+            by ``max_bytes``) if the path holds no cache. A stream is not filled once but produced continuously:
+            with ``follow``, ``workers`` producer processes keep its ring full ahead of its readers until
+            interrupted (``mmapcache._producer``).
         follow: after filling, keep refilling rows that become unfilled or stale (another process's
             ``refresh``), polling every 0.5 s, until interrupted (KeyboardInterrupt; the CLI maps SIGTERM to it).
+            For a stream: produce until interrupted (required).
         fail_fast: stop at the first sample whose source raises.
         deterministic: whether the source returns the same sample for the same index every time. Without a
             fingerprint, opening an existing cache recomputes its first sample and refuses the cache if the bytes
@@ -128,10 +138,23 @@ def build(
     if refresh is not None and (isinstance(refresh, bool) or not 0 <= refresh <= 1):
         raise ValueError(f"refresh must be a fraction in [0, 1], got {refresh!r}")
     share = share_option(node_share, rotate_every, share_seed)
+    existing = fmt.read_meta(path) if fmt.is_cache(path) else None
+    if existing is not None and existing["mode"] == "stream":
+        stream, stream_seed = True, existing["stream"]["seed"]  # an existing stream: produce for it as it is
+    if stream and not follow:
+        raise UsageError(f"{path} is a stream: it is produced continuously, ahead of its readers, not filled once; "
+                         "run the build with --follow (follow=True) next to training")
     store, created = _open_or_create(path, spec, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants,
                                      max_shapes=max_shapes, ragged=ragged, deterministic=deterministic,
-                                     share=share)
+                                     share=share, stream=stream, stream_seed=stream_seed)
     report = BuildReport(path)
+    if stream:
+        try:
+            _produce(store, spec, workers, report, progress, out or sys.stdout)
+        finally:
+            _release(store)
+            report.elapsed = time.monotonic() - started
+        return report
     if store.meta["share"] is not None:
         report.share = Share.from_json(store.meta["share"]).describe(store.length)
     try:
@@ -159,7 +182,7 @@ def build(
 def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, max_bytes: Any,
                     variants: int | None, max_shapes: Mapping[str, Sequence[int]] | None,
                     ragged: Sequence[str] | str | None, deterministic: bool,
-                    share: Share | None) -> tuple[Store, bool]:
+                    share: Share | None, stream: bool, stream_seed: int) -> tuple[Store, bool]:
     """Opens the cache, checking that it matches the source (its first sample's layout, and its bytes without a
     fingerprint: before any worker starts), or creates it. Returns it registered as used by this process."""
     dataset = spec()
@@ -172,13 +195,51 @@ def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, ma
             raise SourceError(f"the source raised computing sample {index} while opening the cache at {path}: "
                               f"{type(exc).__name__}: {exc}; fix the source (--debug shows the traceback)") from exc
 
-    request = Request(path, fingerprint, CreateOptions(max_bytes, None, variants, max_shapes, ragged, share))
+    request = Request(path, fingerprint, CreateOptions(max_bytes, None, variants, max_shapes, ragged, share, stream),
+                      seed=stream_seed)
     store, created = open_cache(request, Source(len(dataset), fetch, deterministic=deterministic))
     if not store.writable:
         _release(store)
         raise CacheReadOnlyError(f"the cache at {path} is read-only for this process (file permissions or a "
                                  "read-only mount); run the build as the cache's owner")
     return store, created
+
+
+def _produce(store: Store, spec: DatasetSpec, workers: int, report: BuildReport, progress: bool, out: Any) -> None:
+    """Runs ``workers`` producers for the stream until KeyboardInterrupt (or the cache's removal); counts what
+    they produced in ``report.filled`` (and ``skipped``), printing the ring's state every 5 s with ``progress``."""
+    ring = Ring(store)
+    before = ring.stats()
+    producer = Producer.start(store.path, spec, workers)
+    last = time.monotonic()
+    restarts: list[float] = []
+    try:
+        while not store.moved():
+            time.sleep(0.2)
+            restarted = producer.replace_dead()  # a producer killed (OOM killer, SIGKILL): start another
+            if restarted:
+                now = time.monotonic()
+                restarts = [t for t in restarts if now - t < 10] + [now] * restarted
+                if len(restarts) > 3 * workers:
+                    raise RuntimeError(f"the stream's producers keep dying ({len(restarts)} restarts in 10 s): "
+                                       "run one in the foreground to see why: produce(path, spec) in "
+                                       "mmapcache._producer, or check the source")
+            if progress and time.monotonic() - last >= 5:
+                last = time.monotonic()
+                stats = ring.stats()
+                print(f"{store.path}: produced {stats['produced'] - before['produced']}, {stats['ahead']} ready "
+                      f"ahead of the readers; readers were served {stats['served']} and computed "
+                      f"{stats['computed']} themselves", file=out, flush=True)
+        report.interrupted = True  # removed under us: the producers stopped
+    except KeyboardInterrupt:
+        report.interrupted = True
+    finally:
+        producer.stop()
+        after = ring.stats()
+        report.filled = after["produced"] - before["produced"]
+        report.skipped = after["skipped"] - before["skipped"]
+        report.stream = True
+        ring.close()
 
 
 def _release(store: Store) -> None:

@@ -146,9 +146,12 @@ def create(
             with os.fdopen(fd, "r+b") as f:
                 f.seek(-8 * slots, os.SEEK_END)
                 f.write(np.asarray(slot_index, dtype="<i8").tobytes())
-        for name, size in ((fmt.FILLED, bitmap_bytes(rows)), (fmt.STALE, bitmap_bytes(rows)), (fmt.SEQ, 4 * rows),
-                           (fmt.KEYS, 8 * rows), (fmt.HEAPS, 8 * HEAP_BLOCK * len(layout.ragged)), (fmt.LOCK, 0),
-                           (fmt.USERS, 0)):
+        state_files = [(fmt.FILLED, bitmap_bytes(rows)), (fmt.STALE, bitmap_bytes(rows)), (fmt.SEQ, 4 * rows),
+                       (fmt.KEYS, 8 * rows), (fmt.HEAPS, 8 * HEAP_BLOCK * len(layout.ragged)), (fmt.LOCK, 0),
+                       (fmt.USERS, 0)]
+        if stream is not None:
+            state_files += [(fmt.RING, 8 * fmt.RING_WORDS), (fmt.PRODUCERS, 0)]
+        for name, size in state_files:
             _reserve(os.path.join(tmp, name), size)
         fmt.write_meta(tmp, meta)  # last: a directory with meta.json is a complete cache
         if prepare is not None:

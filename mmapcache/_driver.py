@@ -57,6 +57,7 @@ class BuildReport:
     interrupted: bool = False
     share: str | None = None  # the node share the cache holds, described (node k of N: M indices)
     no_room: int = 0  # rows not stored because a heap had no room (max_bytes, or the file system)
+    stream: bool = False  # a stream's producers ran: ``filled`` counts values produced, ``skipped`` those too late
 
     @property
     def ok(self) -> bool:
@@ -65,6 +66,9 @@ class BuildReport:
     def summary(self) -> str:
         rate = self.filled / self.elapsed if self.elapsed > 0 else 0.0
         state = " (interrupted)" if self.interrupted else ""
+        if self.stream:
+            return (f"{self.path}: produced {self.filled}, {self.skipped} too late for their reader, "
+                    f"{self.elapsed:.1f} s, {rate:.1f} samples/s{state}")
         return (f"{self.path}: filled {self.filled}, skipped {self.skipped} (already there), "
                 f"failed {len(self.failed)}, "
                 + (f"not stored for lack of heap room {self.no_room} (raise --max-bytes or free space), "

@@ -121,15 +121,18 @@ Stream mode
 
 ``mode: "stream"``: ``K = 1``, no ``slot_index``, no ``share``, ``stream: {"seed": s}``. Epoch ``e``'s order is
 ``numpy.random.default_rng([s, e]).permutation(N)``; its position ``p`` has the sequence number ``q = e * N + p``,
-kept in row ``q % S`` with key ``q``. Two more files:
+kept in row ``q % S`` with key ``q``. Rank ``r`` of ``W`` consumer ranks reads positions ``r + k * W``, ``k < ceil(N
+/ W)``; those past ``N`` (``DistributedSampler``'s padding) are index ``order[p - N]``, never stored. Two more
+files:
 
-- ``ring.u64``: ``8 + 256`` little-endian uint64: ``[next, produced, served, computed, waited_ns, skipped, stop,
-  0]`` then one cursor per consumer rank (up to 256). ``next``: the next sequence number a producer claims;
+- ``ring.u64``: ``8 + 2 * 256`` little-endian uint64: ``[next, produced, served, computed, waited_ns, skipped, 0,
+  0]``, then two words per consumer rank (up to 256). ``next``: the next sequence number a producer claims;
   ``produced``: values published; ``served``: values served from the ring (each at most once); ``computed``:
-  positions a consumer computed itself (the producer was behind); ``waited_ns``: time consumers spent waiting for
-  a producer; ``skipped``: values produced but passed by their consumer; ``stop``: incremented to ask producers
-  started by ``produce()`` to stop. Cursor ``r`` is 0 (rank ``r`` never read) or 1 + the first sequence number
-  rank ``r`` has not consumed. Counters change under the writer lock; a cursor is written by its rank only.
+  positions a consumer computed itself (the producer was behind, or padding); ``waited_ns``: time consumers spent
+  waiting for a producer; ``skipped``: values produced but passed by their consumer before they were published.
+  Rank ``r``'s words: its cursor, 0 (never read) or 1 + the next sequence number it will read from the ring; and
+  its progress, 0 or ``epoch << 32 | (k + 1)``: it consumed its first ``k`` positions of ``epoch``. Counters
+  change under the writer lock; a rank's words are written by that rank only.
 - ``producers``: empty; every producer holds ``flock(LOCK_SH)`` on it while it runs.
 
 A producer claims ``q = max(next, low)`` (``low``: the smallest cursor in use) if ``q < low + S``, holds a POSIX
@@ -174,6 +177,7 @@ SLOT_INDEX = "slot_index.npy"
 KEYS = "keys.i64"
 HEAPS = "heaps.u64"
 RING = "ring.u64"
+RING_WORDS = 8 + 2 * 256  # the counters, then two words per consumer rank (see "Stream mode")
 PRODUCERS = "producers"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}$")

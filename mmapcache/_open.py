@@ -41,6 +41,7 @@ from ._reader import RowReader
 from ._rows import RowMap
 from ._share import Share
 from ._store import Store
+from ._stream import Ring, epoch_order
 from ._version import __version__
 from .errors import CacheMismatchError, CacheNotFoundError, LayoutError
 
@@ -161,8 +162,11 @@ def _open_or_create(request: Request, source: Source | None) -> tuple[Store, boo
     return store, True
 
 
-def first_index(options: CreateOptions, length: int) -> int:
-    """The first cacheable index of a new cache (the sample its creator computes and stores)."""
+def first_index(options: CreateOptions, length: int, seed: int = 0) -> int:
+    """The first cacheable index of a new cache (the sample its creator computes and stores): for a stream, the
+    first position of epoch 0's order."""
+    if options.stream:
+        return int(epoch_order(seed, 0, length)[0])
     if options.share is not None:
         return int(options.share.indices(length)[0])
     return int(options.cache_indices[0]) if options.cache_indices is not None else 0
@@ -178,7 +182,7 @@ def _create_locked(request: Request, source: Source) -> None:
     """Computes the first sample (and a few probes), learns the layout from them, and creates the cache with
     them stored in it. Caller holds the lock."""
     options = request.options
-    index = first_index(options, source.length)
+    index = first_index(options, source.length, request.seed)
     sample = source.fetch(index)
     try:
         layout = Layout.from_samples([sample], options.max_shapes, options.declared_ragged)
@@ -188,7 +192,7 @@ def _create_locked(request: Request, source: Source) -> None:
     auto = options.ragged == "auto" and (any(f.shape and not f.ragged and not f.variable for f in layout.fields)
                                          or _has_empty_list(sample))
     # With max_bytes, ragged values' sizes decide how many samples fit: estimate them from more than one sample.
-    if auto or (options.max_bytes is not None and layout.ragged):
+    if auto or (options.max_bytes is not None and layout.ragged and not options.stream):
         slots, slot_index, _ = options.plan(layout, source.length)
         cacheable = np.arange(slots) if slot_index is None else slot_index
         spread = cacheable[np.linspace(0, len(cacheable) - 1, _PROBES).astype(np.int64)]
@@ -210,6 +214,14 @@ def _create_locked(request: Request, source: Source) -> None:
         store = Store(directory, writable=True)
         try:
             reader = RowReader(store, recompute_stale=True)
+            if options.stream:  # the first sample is epoch 0's position 0: the ring's first value
+                values = source.values(reader, sample, index)
+                ring = Ring(store)
+                try:
+                    ring.publish_first(functools.partial(reader.write, 0, values))
+                finally:
+                    ring.close()
+                return
             rows = RowMap.of(store, variant_choice=request.variant_choice, seed=request.seed)
             for number, (i, probe) in enumerate(samples):
                 row = rows.row(i, 0)
@@ -231,6 +243,7 @@ def _create_locked(request: Request, source: Source) -> None:
         fingerprint=request.fingerprint, delete_on_close=request.delete_on_close, library_version=__version__,
         prepare=store_first, heap_budget=heap_budget, ragged_bytes=ragged_bytes,
         share=None if options.share is None else options.share.to_json(),
+        stream={"seed": request.seed} if options.stream else None,
     )
 
 
@@ -262,6 +275,11 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
     meta, options = store.meta, request.options
     if meta["length"] != source.length:
         return f"length {meta['length']} in the cache, {source.length} in the dataset"
+    if (meta["mode"] == "stream") != options.stream:
+        return (f"a {meta['mode']} in the cache, a {'stream' if options.stream else 'cache'} asked for "
+                f"(stream={options.stream})")
+    if options.stream and meta["stream"]["seed"] != request.seed:
+        return f"a stream of seed {meta['stream']['seed']} in the cache, seed={request.seed} given"
     if request.fingerprint is not None and meta["fingerprint"] != request.fingerprint:
         return f"fingerprint {meta['fingerprint']!r} in the cache, {request.fingerprint!r} given"
     if options.variants is not None and options.variants != meta["variants"]:
@@ -306,21 +324,22 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
 
 def _sample_mismatch(store: Store, request: Request, source: Source) -> str | None:
     rows = RowMap.of(store, variant_choice=request.variant_choice, seed=request.seed)
-    index = int(rows.cacheable()[0]) if store.slots else 0
+    index = int(rows.cacheable()[0]) if rows.slots else 0
     sample = source.fetch(index)
     reader = RowReader(store, recompute_stale=True)
     try:
         fresh = source.values(reader, sample, index)
     except LayoutError as exc:
         return f"the sample layout differs ({exc})"
-    comparable = source.deterministic and store.variants == 1
+    comparable = source.deterministic and store.variants == 1 and store.meta["mode"] == "cache"
     if not comparable:
         if meta_fingerprint := store.meta["fingerprint"]:
-            why = "declared non-deterministic" if not source.deterministic else "several variants"
+            why = "declared non-deterministic" if not source.deterministic else \
+                "several variants" if store.variants > 1 else "a stream keeps no sample for good"
             return (f"fingerprint {meta_fingerprint!r} in the cache, none given, and the source cannot be compared "
                     f"sample by sample ({why}); pass fingerprint={meta_fingerprint!r}")
         return None
-    stored = reader.read_values(rows.row(index, 0)) if store.slots else None
+    stored = reader.read_values(rows.row(index, 0)) if rows.slots else None
     if stored is None:
         return None  # not stored (yet), or being rewritten: nothing to compare with
     field = differing_field(store.layout, stored, fresh)

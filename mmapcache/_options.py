@@ -13,13 +13,14 @@ from ._share import Share
 from ._sizes import parse_size
 
 STALE_MODES = ("recompute", "serve")
+ON_MISS = ("compute", "wait")
 
 
 class CreateOptions:
     """Validated creation options (those that only matter when a cache is created or compared)."""
 
     def __init__(self, max_bytes: Any, cache_indices: Any, variants: Any, max_shapes: Any,
-                 ragged: Any = None, share: Share | None = None) -> None:
+                 ragged: Any = None, share: Share | None = None, stream: bool = False) -> None:
         self.max_bytes = None if max_bytes is None else parse_size(max_bytes, "max_bytes")
         if variants is not None:
             if not _is_count(variants) or variants < 1:
@@ -50,6 +51,10 @@ class CreateOptions:
         if share is not None and cache_indices is not None:
             raise ValueError("node_share and cache_indices both choose which samples the cache holds; pass one")
         self.share = share
+        if stream and (share is not None or cache_indices is not None or (variants or 1) != 1):
+            raise ValueError("a stream (stream=True) holds the next positions of each epoch's order, once each: it "
+                             "takes none of node_share, cache_indices, variants; size its ring with max_bytes")
+        self.stream = stream
 
     @property
     def declared_ragged(self) -> tuple[str, ...]:
@@ -60,6 +65,8 @@ class CreateOptions:
              ragged_bytes: int = 0) -> tuple[int, np.ndarray | None, int]:
         """Slots, slot index and variants of a new cache (or of the cache these options describe), with
         ``ragged_bytes`` per sample expected in the heaps (counted against ``max_bytes``)."""
+        if self.stream:
+            return self._plan_ring(layout, length, ragged_bytes), None, 1
         variants = self.variants or default_variants
         index = self.cache_indices if self.share is None else self.share.indices(length)
         if index is not None and (index.min() < 0 or index.max() >= length):
@@ -86,6 +93,25 @@ class CreateOptions:
         if index is not None:
             index = index[:slots]
         return slots, index, variants
+
+
+    def _plan_ring(self, layout: Layout, length: int, ragged_bytes: int) -> int:
+        """A stream's ring slots: as many samples as ``max_bytes`` holds (at most the dataset), else
+        ``DEFAULT_RING``."""
+        if self.max_bytes is None:
+            return min(length, DEFAULT_RING)
+        per_sample = max(1, plan_bytes(layout, 8, 0, ragged_bytes) // 8)
+        fit = min(length, self.max_bytes // per_sample)
+        while fit and plan_bytes(layout, fit, 0, ragged_bytes) > self.max_bytes:
+            fit -= 1
+        if fit == 0:
+            raise ValueError(f"max_bytes={self.max_bytes} is smaller than one sample ({per_sample} bytes): the ring "
+                             "must hold at least one; raise it")
+        return fit
+
+
+# A stream's ring without max_bytes: room for this many samples ahead of the slowest consumer.
+DEFAULT_RING = 4096
 
 
 def _is_count(value: Any) -> bool:

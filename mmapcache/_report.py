@@ -19,6 +19,7 @@ from ._rows import RowMap
 from ._share import Share
 from ._sizes import format_size
 from ._store import Store
+from ._stream import MAX_RANKS, Ring, producers_of
 from .errors import MmapCacheError
 
 __all__ = ["describe", "fill_map", "disk_bytes", "list_caches"]
@@ -81,7 +82,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         filled = state.filled_rows(rows) if store.rows else np.zeros(0, bool)
         stale = state.stale_rows(rows) & filled if store.rows else np.zeros(0, bool)
         per_index = np.full(store.length, np.nan)
-        if store.rows:
+        if store.rows and meta["mode"] == "cache":  # a stream's rows hold positions, not indices: no fill map
             per_index = RowMap.of(store).per_index(filled.reshape(store.slots, store.variants).mean(axis=1))
         fields = []
         ragged_number = 0
@@ -116,6 +117,8 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
             "share": None if meta["share"] is None else {
                 **meta["share"], "size": Share.from_json(meta["share"]).size(store.length),
                 "text": Share.from_json(meta["share"]).describe(store.length)},
+            "mode": meta["mode"],
+            "stream": _stream_report(store) if meta["mode"] == "stream" else None,
             "delete_on_close": bool(meta.get("delete_on_close")),
             "created": meta.get("created"),
             "fields": fields,
@@ -124,6 +127,20 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         }
     finally:
         store.close()
+
+
+def _stream_report(store: Store) -> dict[str, Any]:
+    """A stream's ring (``_stream``): its seed and size, the counters, what is ready ahead, the producers."""
+    ring = Ring(store)
+    try:
+        stats: dict[str, Any] = ring.stats()
+        cursors = {rank: ring.progress(rank) for rank in range(MAX_RANKS)}
+    finally:
+        ring.close()
+    stats.update(seed=ring.seed, slots=ring.slots, producers=producers_of(store.path),
+                 readers={rank: list(p) for rank, p in cursors.items() if p is not None})
+    stats["waited"] = stats.pop("waited_ns") / 1e9
+    return stats
 
 
 def _heap_report(counters: np.ndarray) -> dict[str, Any]:

@@ -69,7 +69,10 @@ class RowMap:
 
     @classmethod
     def of(cls, store: object, *, variant_choice: str = "epoch", seed: int = 0) -> RowMap:
-        """The mapping of an open ``_store.Store``."""
+        """The mapping of an open ``_store.Store``. A stream's rows hold positions of its order, not indices
+        (``_stream``): no index maps to a row."""
+        if store.meta["mode"] == "stream":  # type: ignore[attr-defined]
+            return cls(store.length, 0, 1, None)  # type: ignore[attr-defined]
         share = store.meta["share"]  # type: ignore[attr-defined]
         return cls(store.length, store.slots, store.variants, store.slot_index,  # type: ignore[attr-defined]
                    variant_choice=variant_choice, seed=seed, share=None if share is None else Share.from_json(share))

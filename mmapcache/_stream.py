@@ -37,7 +37,7 @@ __all__ = ["Ring", "RING_WORDS", "MAX_RANKS", "epoch_order", "producers_of", "re
 NEXT, PRODUCED, SERVED, COMPUTED, WAITED_NS, SKIPPED = range(6)
 HEADER = 8
 MAX_RANKS = 256
-RING_WORDS = HEADER + 2 * MAX_RANKS
+RING_WORDS = fmt.RING_WORDS  # HEADER + 2 * MAX_RANKS
 _PROGRESS_BITS = 32  # progress word: epoch << 32 | (k + 1); 0 = the rank never read
 
 
@@ -130,7 +130,7 @@ class Ring:
         low = self.low()
         return {"produced": int(words[PRODUCED]), "served": int(words[SERVED]), "computed": int(words[COMPUTED]),
                 "waited_ns": int(words[WAITED_NS]), "skipped": int(words[SKIPPED]), "next": int(words[NEXT]),
-                "low": low, "ahead": self.ready_ahead(low)}
+                "low": low, "ahead": self.ready_ahead(low), "slots": self.slots}
 
     def ready_ahead(self, low: int | None = None) -> int:
         """How many positions from ``low`` on are produced and waiting in the ring."""
@@ -174,6 +174,15 @@ class Ring:
         finally:
             self.claims.release(row)
 
+    def publish_first(self, write: Any) -> None:
+        """Stores position 0 of epoch 0 (computed by the stream's creator to learn the layout) in row 0."""
+        self.state.publish(0, 0, write)
+
+        def account() -> None:
+            self.words[NEXT] = max(int(self.words[NEXT]), 1)
+            self.words[PRODUCED] += 1
+        self.state.under_lock(account)
+
     def release(self, q: int) -> None:
         """Gives up a claim without publishing (the source raised): a consumer will compute the position."""
         self.claims.release(q % self.slots)
@@ -194,3 +203,78 @@ def register_producer(path: str) -> int:
     fd = open_file(path, fmt.PRODUCERS, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
+
+
+# --- reading a batch of positions (in the process that reads: the trainer, or a DataLoader worker) -------------------
+
+# How often a reader waiting for a producer looks again (seconds): short first, longer as the wait goes on.
+_WAIT_POLL = (0.0005, 0.02)
+
+
+def read_positions(ring: Ring, reader: Any, epoch: int, positions: np.ndarray, compute: Any, *, wait: bool,
+                   timeout: float, alloc: Any = np.empty) -> tuple[list[Any], dict[str, int]]:
+    """The values of ``positions`` of ``epoch`` (a rank's, in order) as gathered columns, and what it took.
+
+    A position whose row holds its sequence number is copied from the ring (``served``); one that does not is
+    computed here with ``compute(index) -> values`` (``computed``), after waiting for a producer when ``wait`` (up to
+    ``timeout`` seconds, counted in ``waited_ns``; positions no producer may fill before this rank moves on are
+    computed at once). Padding positions (past ``N``) are always computed. Nothing is stored.
+
+    Raises:
+        StreamTimeoutError: ``wait`` and no producer published a position within ``timeout``.
+    """
+    import time
+
+    from .errors import StreamTimeoutError
+
+    n, slots = ring.length, ring.slots
+    order = ring.order(epoch)
+    in_ring = positions < n
+    indices = order[np.where(in_ring, positions, positions - n)]
+    qs = np.where(in_ring, epoch * n + positions, -1)
+    rows = np.where(in_ring, qs % slots, -1)
+    if reader.variable:  # max_shapes fields: read one position at a time
+        columns, missing = _per_position(reader, len(positions)), list(range(len(positions)))
+    else:
+        columns, missing = reader.gather(rows, alloc, qs)
+    stats = {"served": len(positions) - len(missing), "computed": 0, "waited_ns": 0}
+    for k in missing:
+        q, row, index = int(qs[k]), int(rows[k]), int(indices[k])
+        values = reader.read_values(row, q) if q >= 0 else None  # rewritten during the gather: read again
+        if values is None and wait and q >= 0:
+            started = time.monotonic_ns()
+            poll = _WAIT_POLL[0]
+            while values is None and q < ring.low() + slots:
+                if time.monotonic_ns() - started > timeout * 1e9:
+                    raise StreamTimeoutError(_timeout_message(ring, q, index, timeout))
+                time.sleep(poll)
+                poll = min(poll * 2, _WAIT_POLL[1])
+                values = reader.read_values(row, q)
+            stats["waited_ns"] += time.monotonic_ns() - started
+        if values is None:
+            values = compute(index)
+            stats["computed"] += 1
+        else:
+            stats["served"] += 1
+        for column, value in zip(columns, values):
+            column[k] = value
+    return columns, stats
+
+
+class _Column(list):
+    """A column of one value per position, for layouts ``gather`` cannot batch (``max_shapes`` fields)."""
+
+
+def _per_position(reader: Any, count: int) -> list[Any]:
+    return [_Column([None] * count) for _ in reader.fields]
+
+
+def _timeout_message(ring: Ring, q: int, index: int, timeout: float) -> str:
+    producers = producers_of(ring.store.path)
+    running = (f"producer(s) {', '.join(map(str, producers))} are running but did not keep up (the ring holds "
+               f"{ring.slots} samples; add producer workers)") if producers else \
+        "no producer is running for it (none started, or all exited or were killed)"
+    return (f"waited {timeout:g} s for position {q % ring.length} of epoch {q // ring.length} (sample {index}) of the "
+            f"stream at {ring.store.path}: {running}. Start one with `mmapcache build {ring.store.path} --dataset "
+            "SPEC --follow --workers N` or ds.produce(workers=N), or read with on_miss='compute' to compute what is "
+            "not ready")

@@ -186,6 +186,11 @@ def _parser() -> _Parser:
                    help="with --node-share: the partition is drawn again every E epochs")
     p.add_argument("--share-seed", type=int, default=0, metavar="N",
                    help="with --node-share: the partition's seed (MmapCachedDataset's seed=; default 0)")
+    p.add_argument("--stream", action="store_true",
+                   help="create a stream (ring of --max-bytes, default 4096 samples) if none exists; an existing "
+                        "stream is produced for as it is. Needs --follow")
+    p.add_argument("--stream-seed", type=int, default=0, metavar="N",
+                   help="with --stream: the seed of the stream's order (MmapCachedDataset's seed=; default 0)")
     p.add_argument("--follow", action="store_true",
                    help="keep running: refill rows that become stale or unfilled (poll 0.5 s) until SIGINT/SIGTERM")
     p.set_defaults(run=_cmd_build)
@@ -286,6 +291,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
             max_shapes=_max_shapes(args.max_shapes), refresh=args.refresh, ragged=_ragged(args.ragged),
             follow=args.follow, fail_fast=args.fail_fast, seed=args.seed, progress=True,
             node_share=args.node_share, rotate_every=args.rotate_every, share_seed=args.share_seed,
+            stream=args.stream, stream_seed=args.stream_seed,
         )
     if report.marked_stale:
         print(f"marked {report.marked_stale} rows stale for refresh (seed {report.refresh_seed})")
@@ -420,8 +426,9 @@ def _render(info: dict[str, Any]) -> str:
         ("path", info["path"]),
         ("format", f"version {info['format_version']} (written by mmapcache {info['library_version']})"),
         ("length", str(info["length"])),
-        ("cacheable", slots),
+        *([("cacheable", slots)] if info.get("mode") != "stream" else []),
         *([("share", info["share"]["text"])] if info.get("share") else []),
+        *(_stream_lines(info["stream"]) if info.get("stream") else []),
         ("variants", str(info["variants"])),
         ("filled", f"{info['filled']} of {info['rows']} rows ({100 * info['fraction']:.1f}%)"),
         ("stale", str(info["stale"])),
@@ -434,10 +441,25 @@ def _render(info: dict[str, Any]) -> str:
     width = max(len(k) for k, _ in lines) + 1
     text = [f"{k + ':':<{width}} {v}" for k, v in lines]
     text += [f"{'':<{width}} {f}" for f in fields[1:]]
-    text.append(f"{'fill map:':<{width}} |{info['fill_map']}|  (index 0 ... {info['length'] - 1})")
-    text.append(f"{'':<{width}} one character per range of indices: ' ' empty, '.:-=+*#%' partly filled (more to the "
-                "right), '@' full, '_' not cacheable")
+    if info.get("mode") != "stream":  # a stream's rows hold positions of its order: no map by index
+        text.append(f"{'fill map:':<{width}} |{info['fill_map']}|  (index 0 ... {info['length'] - 1})")
+        text.append(f"{'':<{width}} one character per range of indices: ' ' empty, '.:-=+*#%' partly filled (more to "
+                    "the right), '@' full, '_' not cacheable")
     return "\n".join(text)
+
+
+def _stream_lines(stream: dict[str, Any]) -> list[tuple[str, str]]:
+    readers = ", ".join(f"rank {rank} at epoch {epoch} position {k}" for rank, (epoch, k) in stream["readers"].items())
+    producers = ", ".join(map(str, stream["producers"])) or "none running"
+    return [
+        ("stream", f"seed {stream['seed']}, a ring of {stream['slots']} samples; {stream['ahead']} ready ahead of the "
+                   "slowest reader"),
+        ("produced", f"{stream['produced']} ({stream['skipped']} too late for their reader); served "
+                     f"{stream['served']} fresh from the ring, {stream['computed']} computed by readers, "
+                     f"{stream['waited']:.1f} s waited"),
+        ("producers", producers),
+        ("readers", readers or "none yet"),
+    ]
 
 
 def _render_field(field: dict[str, Any]) -> str:

@@ -20,15 +20,18 @@ from ._create import parent_lock
 from ._filled import NoRoom
 from ._heap import UNCACHED
 from ._open import Request, Source, identity, open_cache
-from ._options import STALE_MODES, CreateOptions, check_bool, check_choice, check_optional_str, source_length
+from ._options import ON_MISS, STALE_MODES, CreateOptions, check_bool, check_choice, check_optional_str, source_length
 from ._paths import resolve_path
+from ._producer import Producer
+from ._producer import SourceFactory as _SourceFactory
 from ._reader import RowReader
 from ._rows import VARIANT_CHOICES, RowMap, check_index, check_indices
 from ._sampler import ShareSampler
 from ._share import Share, share_option
 from ._store import Store
+from ._stream import Ring, producers_of, read_positions
 from .distributed import DEFAULT_PATIENCE
-from .errors import CacheReadOnlyWarning, SampleNotCachedError, warn
+from .errors import CacheReadOnlyWarning, SampleNotCachedError, StreamBypassWarning, UsageError, warn
 
 __all__ = ["MmapCachedDataset"]
 
@@ -76,6 +79,15 @@ class MmapCachedDataset(Dataset):
             ``CacheMismatchError``.
         rotate_every: with ``node_share``, draw the partition again every this many epochs (``set_epoch``), so
             each node sees other samples over a long run; each rotation refills the share from the source.
+        stream: a *stream* instead of a cache (fresh augmentation every epoch on a dataset larger than memory):
+            the cache is a ring of ``max_bytes`` (default: 4096 samples) holding the next positions of each
+            epoch's seeded order (``seed``), filled ahead of the trainer by producers (``ds.produce()``, or
+            ``mmapcache build PATH --dataset SPEC --follow``) and read once each through ``ds.loader()``. See the
+            README's "Fresh samples every epoch".
+        on_miss: in a stream, what ``ds.loader`` does with a position no producer has filled yet: ``"compute"`` it
+            (default: never slower than no cache), or ``"wait"`` for a producer (up to ``wait_timeout`` seconds,
+            then ``StreamTimeoutError`` naming the producers).
+        wait_timeout: see ``on_miss``.
         delete_on_close: remove the cache when the last process using it closes it or exits.
         check_finite: refuse (ValueError, nothing stored) samples with NaN or infinite floating-point values.
         deterministic: whether the source returns the same sample for the same index every time (default True).
@@ -112,6 +124,9 @@ class MmapCachedDataset(Dataset):
         max_shapes: Mapping[str, Sequence[int]] | None = None,
         node_share: bool | tuple[int, int] = False,
         rotate_every: int | None = None,
+        stream: bool = False,
+        on_miss: str = "compute",
+        wait_timeout: float = 60.0,
         delete_on_close: bool = False,
         check_finite: bool = False,
         deterministic: bool = True,
@@ -129,6 +144,10 @@ class MmapCachedDataset(Dataset):
         overwrite = check_bool(overwrite, "overwrite")
         self.delete_on_close = check_bool(delete_on_close, "delete_on_close")
         self.check_finite = check_bool(check_finite, "check_finite")
+        self.on_miss = check_choice(on_miss, "on_miss", ON_MISS)
+        if isinstance(wait_timeout, bool) or not isinstance(wait_timeout, (int, float)) or not wait_timeout > 0:
+            raise ValueError(f"wait_timeout must be a number of seconds > 0, got {wait_timeout!r}")
+        self.wait_timeout = float(wait_timeout)
         self.deterministic = check_bool(deterministic, "deterministic")
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
@@ -142,8 +161,8 @@ class MmapCachedDataset(Dataset):
         self._source_length = source_length(dataset) if dataset is not None else 0
         share = share_option(node_share, rotate_every, self.seed)
         self._request = Request(self.path, self.fingerprint, CreateOptions(max_bytes, cache_indices, variants,
-                                max_shapes, ragged, share), overwrite, self.delete_on_close, self.variant_choice,
-                                self.seed)
+                                max_shapes, ragged, share, check_bool(stream, "stream")), overwrite,
+                                self.delete_on_close, self.variant_choice, self.seed)
         store, self.created = open_cache(self._request, self._source())
         self._identity = identity(store)
         self._bind(store)
@@ -161,9 +180,10 @@ class MmapCachedDataset(Dataset):
         self._length = store.length
         self._rows = RowMap.of(store, variant_choice=self.variant_choice, seed=self.seed)
         self._reader = RowReader(store, recompute_stale=self.stale == "recompute")
+        self._ring = Ring(store) if store.meta["mode"] == "stream" else None
         # The cache's recorded lifetime applies to every user; an opener may also ask for removal of its own.
         delete = self.delete_on_close or bool(store.meta.get("delete_on_close"))
-        self._finalizer = weakref.finalize(self, _close_store, store, delete)
+        self._finalizer = weakref.finalize(self, _close_store, store, delete, self._ring)
 
     def _ensure_open(self) -> RowReader:
         """The reader of this process, opening the cache on first use (after unpickling in a worker, or after
@@ -180,7 +200,7 @@ class MmapCachedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_store", "_reader", "_rows", "_finalizer", "_open_lock", "_epoch_view"):
+        for key in ("_store", "_reader", "_rows", "_ring", "_finalizer", "_open_lock", "_epoch_view"):
             state.pop(key, None)
         return state
 
@@ -284,6 +304,8 @@ class MmapCachedDataset(Dataset):
         """Computes a sample that is not readable from the cache, and stores it if it is cacheable. A stored miss is
         returned as a hit would return it (a plain Tensor, an int...), not as the source's own objects."""
         self._require_source(index, row)
+        if self._ring is not None:
+            _warn_bypass(self.path)
         sample = self._fetch(index)
         if row < 0:
             return sample  # passes through, never stored
@@ -485,6 +507,90 @@ class MmapCachedDataset(Dataset):
 
         return make_loader(self, **kwargs)
 
+    # --- stream mode ------------------------------------------------------------------------------------------
+
+    @property
+    def stream(self) -> bool:
+        """Whether this is a stream (``stream=True``): read it through ``ds.loader()``."""
+        return self._ensure_open() is not None and self._ring is not None
+
+    @property
+    def stream_stats(self) -> dict[str, Any]:
+        """A stream's counters (``_stream``): values ``produced``, ``served`` from the ring, ``computed`` by readers
+        (the producer was behind), ``waited`` seconds, ``skipped`` (produced too late), positions ``ahead`` (ready
+        in the ring past the slowest reader), and the ``producers`` running. Safe across processes."""
+        ring = self._stream_ring()
+        stats: dict[str, Any] = ring.stats()
+        stats["waited"] = stats.pop("waited_ns") / 1e9
+        stats["producers"] = producers_of(self.path)
+        return stats
+
+    def produce(self, workers: int = 1, *, context: Any = None) -> Producer:
+        """Starts ``workers`` producer processes filling this stream's ring ahead of its readers, from this
+        dataset's source; returns a handle (``stop()``, or use it as a context manager). Producers stop by
+        themselves when the cache is removed. See ``mmapcache._producer``."""
+        self._stream_ring()
+        if self.dataset is None:
+            raise SampleNotCachedError(f"produce() needs the source dataset: open the stream at {self.path} with "
+                                       "MmapCachedDataset(path, dataset, stream=True)")
+        return Producer.start(self.path, _SourceFactory(self.dataset), workers, context)
+
+    def _stream_ring(self) -> Ring:
+        self._ensure_open()
+        if self._ring is None:
+            raise UsageError(f"the cache at {self.path} is not a stream; open it with stream=True (a new path)")
+        return self._ring
+
+    def stream_start(self, rank: int, ranks: int) -> tuple[int, int]:
+        """Where rank ``rank`` of ``ranks`` starts reading: its position ``(epoch, k)`` in the stream, recorded as
+        its cursor. That is this epoch's start (``set_epoch``), or later if the rank already read part of it (a
+        restarted reader resumes; nothing it was served is served again). Used by ``ds.loader``."""
+        ring = self._stream_ring()
+        per_rank = ring.per_rank(self._length, ranks)
+        start = (int(self._epoch_view[0]), 0)
+        progress = ring.progress(rank)
+        if progress is not None and progress > start:
+            start = progress
+        if start[1] >= per_rank:
+            start = (start[0] + 1, 0)
+        ring.set_progress(rank, ranks, *start)
+        self._epoch_view[0] = start[0]
+        return start
+
+    def stream_consumed(self, rank: int, ranks: int, epoch: int, k: int, stats: dict[str, int]) -> None:
+        """Records that rank ``rank`` was handed its positions up to ``k`` of ``epoch`` (moves its cursor, counts
+        ``stats``). Called by ``ds.loader`` in the process that iterates it."""
+        ring = self._stream_ring()
+        ring.set_progress(rank, ranks, epoch, k)
+        ring.count(**stats)
+
+    def read_stream_batch(self, epoch: int, rank: int, ranks: int, k0: int, k1: int, pad: Any = None,
+                          collate: Callable[[list[Any]], Any] | None = None) -> tuple[dict[str, int], Any]:
+        """Positions ``k0 .. k1-1`` of rank ``rank`` of ``ranks`` in epoch ``epoch``, collated (``read_batch``'s
+        batch; with ``collate`` or a ``transform``, ``collate([transform(sample), ...])``), and the counts of values
+        served, computed and the time waited. Safe across processes and threads."""
+        ring = self._stream_ring()
+        reader = self._ensure_open()
+        positions = rank + np.arange(k0, k1, dtype=np.int64) * ranks
+        from ._loader import alloc_shared
+
+        alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
+
+        def compute(index: int) -> list[Any]:
+            return self._checked(reader, self._fetch(index), index)
+
+        columns, stats = read_positions(ring, reader, epoch, positions, compute, wait=self.on_miss == "wait",
+                                        timeout=self.wait_timeout, alloc=alloc)
+        if reader.variable:
+            samples = [reader.sample_from_values([c[k] for c in columns]) for k in range(len(positions))]
+        elif collate is not None or self.transform is not None:
+            samples = reader.samples(columns)
+        else:
+            return stats, reader.collate(columns, pad)
+        if self.transform is not None:
+            samples = [self.transform(sample) for sample in samples]
+        return stats, (collate or pad or torch.utils.data.default_collate)(samples)
+
     def close(self) -> None:
         """Unmaps the cache in this process; with ``delete_on_close``, the last user removes it."""
         finalizer = getattr(self, "_finalizer", None)
@@ -502,12 +608,24 @@ class MmapCachedDataset(Dataset):
         return f"MmapCachedDataset({self.path!r}, length={self._length}, variants={self._rows.variants})"
 
 
-def _close_store(store: Store, delete_on_close: bool) -> None:
+_warned_bypass: set[str] = set()
+
+
+def _warn_bypass(path: str) -> None:
+    if path not in _warned_bypass:
+        _warned_bypass.add(path)
+        warn(f"the stream at {path} was read by index (ds[i], DataLoader(ds)): that computes every sample from the "
+             "source and never reads the ring; read a stream through ds.loader()", StreamBypassWarning)
+
+
+def _close_store(store: Store, delete_on_close: bool, ring: Ring | None = None) -> None:
     """Detaches this process from the cache and unmaps it; with ``delete_on_close`` the last user removes it.
 
     Runs from ``close()``, garbage collection, or interpreter exit (``weakref.finalize``); a process killed
     outright detaches through the kernel (its locks vanish) and a later ``sweep`` removes what it left.
     """
+    if ring is not None:
+        ring.close()
     store.close()
     if delete_on_close and os.path.isdir(os.path.dirname(store.path)):
         # The parent lock orders this removal with creators and sweeps in the same directory.

@@ -92,6 +92,19 @@ def test_two_scripts_fill_then_unrelated_reader(shm_dir: str) -> None:
     assert _format.is_cache(cache)  # persists after both processes exited
 
 
+def test_fresh_augmentation_stream(shm_dir: str, tmp_path) -> None:
+    out = run([sys.executable, os.path.join(EXAMPLES, "fresh_augmentation.py"), "--data-dir", str(tmp_path),
+               "--images", "64", "--size", "32", "--epochs", "2", "--batch-size", "8", "--step-ms", "20",
+               "--producers", "1"])
+    assert "a ring of 16 samples (25% of the dataset); 1 producer(s) started here" in out, out
+    for epoch in (0, 1):
+        found = re.search(rf"epoch {epoch}: [\d.]+ s, (\d+) of 64 served fresh from the ring .*, (\d+) computed by "
+                          r"the trainer", out)
+        assert found and int(found.group(1)) + int(found.group(2)) == 64, out
+    assert "repeated computations served: 0" in out, out
+    assert os.listdir(shm_dir) == []  # delete_on_close: the stream is gone
+
+
 def test_ddp_example_under_torchrun(shm_dir: str) -> None:
     cache = os.path.join(shm_dir, "ddp")
     out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -1,0 +1,285 @@
+"""Stream mode: a ring holding the next positions of each epoch's seeded order, each computation served once.
+
+Every sample of ``Fresh`` carries a random token drawn when it is computed, so a value served twice shows as a
+repeated token, and a torn one as an ``x`` that disagrees with its token. Producers run as real processes: through
+``ds.produce()`` and through the command line (``mmapcache build --follow``), and are SIGKILLed mid-epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.processes import join_all, running
+from helpers.stream_sources import Fresh, intact
+from mmapcache import (
+    CacheMismatchError,
+    MmapCachedDataset,
+    PadCollate,
+    StreamBypassWarning,
+    StreamTimeoutError,
+    describe,
+)
+from mmapcache._stream import epoch_order
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SPEC = os.path.join(TESTS, "helpers", "stream_sources.py")
+N = 200
+RING_BYTES = 50 * 140  # about a quarter of the dataset: 16 int64 + 2 ints, plus state, per sample
+
+
+def _epoch(loader: Any) -> tuple[list[int], list[int]]:
+    """The indices and tokens one pass over ``loader`` served, after checking every batch is intact."""
+    indices, tokens = [], []
+    for batch in loader:
+        assert intact(batch), "a torn sample: x and token from two computations"
+        indices += batch["i"].tolist()
+        tokens += batch["token"].tolist()
+    return indices, tokens
+
+
+def _wait_for(condition: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+def test_every_epoch_serves_its_permutation_once_and_fresh(cache_path: str) -> None:
+    ds = MmapCachedDataset(cache_path, Fresh(N, delay=0.0005), stream=True, max_bytes=RING_BYTES, seed=7)
+    assert ds.stream and 0 < ds._store.slots <= N // 4
+    seen: list[int] = []
+    with ds.produce(workers=2) as producer:
+        _wait_for(lambda: ds.stream_stats["ahead"] > 0)
+        assert producer.alive == 2
+        loader = ds.loader(batch_size=16)
+        for epoch in range(3):
+            indices, tokens = _epoch(loader)
+            assert indices == epoch_order(7, epoch, N).tolist(), "not the epoch's seeded order"
+            seen += tokens
+    assert len(seen) == 3 * N and len(set(seen)) == 3 * N, "a computation was served twice"
+    stats = ds.stream_stats
+    assert stats["served"] + stats["computed"] == 3 * N and stats["served"] > 0
+    assert stats["produced"] >= stats["served"] and stats["producers"] == []
+    ds.close()
+
+
+def test_without_a_producer_the_reader_computes_everything(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Fresh(N), stream=True, max_bytes=RING_BYTES, seed=1) as ds:
+        loader = ds.loader(batch_size=32)
+        for epoch in range(2):
+            indices, tokens = _epoch(loader)
+            assert indices == epoch_order(1, epoch, N).tolist() and len(set(tokens)) == N
+        stats = ds.stream_stats
+        # The first position was stored when the stream was created (to learn the layout): served, fresh.
+        assert stats["served"] == 1 and stats["computed"] == 2 * N - 1
+
+
+def test_ranks_share_one_ring_as_distributed_sampler_splits(cache_path: str) -> None:
+    n = 101  # not a multiple of the ranks: DistributedSampler's padding
+    MmapCachedDataset(cache_path, Fresh(n), stream=True, seed=2).close()
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_read_epochs, args=(cache_path, n, rank, 2, 2, out)) for rank in range(2)]
+    with running(procs), MmapCachedDataset(cache_path, Fresh(n), stream=True, seed=2) as ds, ds.produce(workers=1):
+        assert join_all(procs, 120) == [0, 0]
+    reads = dict(out.get(timeout=10) for _ in range(2))
+    for epoch in range(2):
+        order = epoch_order(2, epoch, n).tolist()
+        padded = order + order[:1]  # 102 = 2 * ceil(101 / 2)
+        assert reads[0][epoch] == padded[0::2] and reads[1][epoch] == padded[1::2]
+
+
+def _read_epochs(path: str, n: int, rank: int, ranks: int, epochs: int, out: Any) -> None:
+    ds = MmapCachedDataset(path, Fresh(n), stream=True, seed=2)
+    loader = ds.loader(batch_size=8, rank=rank, world_size=ranks)
+    result = []
+    for _ in range(epochs):
+        indices, _ = _epoch(loader)
+        result.append(indices)
+    out.put((rank, result))
+    ds.close()
+
+
+def test_cli_producers_feed_a_source_four_times_the_ring_and_survive_sigkill(shm_dir: str, tmp_path) -> None:
+    """The issue's scenario: 2 producer processes started through the CLI, a source 4x the ring, 3 epochs; one
+    producer SIGKILLed mid-epoch, then all of them: every epoch still completes, exactly its permutation, fresh."""
+    path = os.path.join(shm_dir, "stream")
+    ds = MmapCachedDataset(path, Fresh(N, delay=0.001), stream=True, max_bytes=RING_BYTES, seed=5)
+    assert ds._store.slots <= N // 4
+    build = subprocess.Popen(
+        [sys.executable, "-m", "mmapcache", "build", path, "--dataset", SPEC + ":fresh", "--kwargs",
+         json.dumps({"n": N, "delay": 0.001}), "--follow", "--workers", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: len(ds.stream_stats["producers"]) == 2)
+        loader = ds.loader(batch_size=10)
+        seen = []
+        for epoch in range(3):
+            indices, tokens = [], []
+            for step, batch in enumerate(loader):
+                time.sleep(0.01)  # the training step: the producers get ahead
+                assert intact(batch)
+                indices += batch["i"].tolist()
+                tokens += batch["token"].tolist()
+                if epoch == 1 and step == 5:
+                    os.kill(ds.stream_stats["producers"][0], signal.SIGKILL)  # one producer dies mid-epoch
+                if epoch == 2 and step == 3:
+                    for pid in ds.stream_stats["producers"]:
+                        os.kill(pid, signal.SIGKILL)  # all of them: the reader computes the rest
+            assert indices == epoch_order(5, epoch, N).tolist()
+            seen += tokens
+        assert len(set(seen)) == 3 * N
+        stats = ds.stream_stats
+        # How much the producers serve depends on the machine (the bench measures it); that they serve does not.
+        assert stats["served"] > 0 and stats["served"] + stats["computed"] == 3 * N
+        shown = subprocess.run([sys.executable, "-m", "mmapcache", "inspect", path], capture_output=True, text=True,
+                               timeout=60).stdout
+        assert f"served {stats['served']} fresh from the ring, {stats['computed']} computed by readers" in shown
+        assert "rank 0 at epoch 2 position 200" in shown
+        _wait_for(lambda: len(ds.stream_stats["producers"]) == 2)  # the command started new producers
+    finally:
+        os.kill(build.pid, signal.SIGTERM)  # as a scheduler stops a job: the command stops its producers
+        out, _ = build.communicate(timeout=60)
+    assert build.returncode == 0 and "produced" in out, out
+    info = describe(path)
+    assert info["mode"] == "stream" and info["stream"]["producers"] == []
+    ds.close()
+
+
+def test_a_killed_reader_resumes_where_it_stopped_and_nothing_is_served_twice(cache_path: str, tmp_path) -> None:
+    log = str(tmp_path / "served")
+    MmapCachedDataset(cache_path, Fresh(N), stream=True, seed=4).close()
+    ctx = multiprocessing.get_context("fork")
+    reader = ctx.Process(target=_read_and_log, args=(cache_path, log, None))
+    with running([reader]):
+        _wait_for(lambda: os.path.exists(log) and len(_served(log)) >= 60)
+        os.kill(reader.pid, signal.SIGKILL)  # between two batches (it logs each as it receives it)
+        reader.join(10)
+    first = _served(log)
+    assert 60 <= len(first) < N
+    with MmapCachedDataset(cache_path, Fresh(N), stream=True, seed=4) as ds:
+        rest, tokens = _epoch(ds.loader(batch_size=10))
+    # The restarted reader resumes at its cursor: the rest of epoch 0, nothing it was already handed.
+    assert [i for i, _ in first] + rest == epoch_order(4, 0, N).tolist()
+    assert not {t for _, t in first} & set(tokens)
+
+
+def _read_and_log(path: str, log: str, _: Any) -> None:
+    ds = MmapCachedDataset(path, Fresh(N), stream=True, seed=4)
+    with open(log, "a") as f:
+        for batch in ds.loader(batch_size=10):
+            for i, t in zip(batch["i"].tolist(), batch["token"].tolist()):
+                f.write(f"{i} {t}\n")
+            f.flush()
+            time.sleep(0.05)
+
+
+def _served(log: str) -> list[tuple[int, int]]:
+    with open(log) as f:
+        return [tuple(map(int, line.split())) for line in f if line.strip()]  # type: ignore[misc]
+
+
+def test_waiting_readers_take_every_value_from_producers(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Fresh(N, delay=0.002), stream=True, max_bytes=RING_BYTES, seed=3,
+                           on_miss="wait", wait_timeout=60) as ds, ds.produce(workers=2):
+        indices, tokens = _epoch(ds.loader(batch_size=16))
+        assert indices == epoch_order(3, 0, N).tolist() and len(set(tokens)) == N
+        stats = ds.stream_stats
+        assert stats["computed"] == 0 and stats["served"] == N and stats["waited"] > 0
+
+
+def test_waiting_for_a_dead_producer_times_out_naming_it(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Fresh(N), stream=True, seed=3, on_miss="wait", wait_timeout=1.0) as ds:
+        loader = ds.loader(batch_size=16)
+        start = time.monotonic()
+        with pytest.raises(StreamTimeoutError, match=r"waited 1 s for position 1 of epoch 0 .* no producer is "
+                                                     r"running .*`mmapcache build .* --follow .* on_miss='compute'"):
+            next(iter(loader))
+        assert time.monotonic() - start < 30
+
+
+def test_stream_batches_with_workers_transforms_and_padding(cache_path: str) -> None:
+    class Ragged(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 60
+
+        def __getitem__(self, i: int) -> Any:
+            return {"ids": torch.arange(i % 7 + 1), "i": i}
+
+    with MmapCachedDataset(cache_path, Ragged(), stream=True, ragged=["ids"], seed=9) as ds, ds.produce(workers=1):
+        order = epoch_order(9, 0, 60).tolist()
+        batches = list(ds.loader(batch_size=8, num_workers=2, collate_fn=PadCollate(0)))
+        assert [i for b in batches for i in b["i"].tolist()] == order
+        assert all(b["ids"].lengths.tolist() == [i % 7 + 1 for i in b["i"].tolist()] for b in batches)
+        ds.transform = lambda sample: {**sample, "i": -sample["i"]}
+        batches = list(ds.loader(batch_size=8, collate_fn=PadCollate(0)))
+        assert [-i for b in batches for i in b["i"].tolist()] == epoch_order(9, 1, 60).tolist()
+        assert all(b["ids"].lengths.tolist() == [-i % 7 + 1 for i in b["i"].tolist()] for b in batches)
+
+
+def test_stream_misuse_is_explained(cache_path: str) -> None:
+    with pytest.raises(ValueError, match=r"a stream .* takes none of node_share, cache_indices, variants"):
+        MmapCachedDataset(cache_path, Fresh(N), stream=True, variants=2)
+    with MmapCachedDataset(cache_path, Fresh(N), stream=True) as ds:
+        with pytest.raises(ValueError, match="shuffle= chooses an order, and a stream reads its own seeded order"):
+            ds.loader(batch_size=4, shuffle=True)
+        with pytest.warns(StreamBypassWarning, match="read by index .* read a stream through ds.loader"):
+            assert ds[3]["i"] == 3  # computed from the source, never from the ring
+    with pytest.raises(CacheMismatchError, match=r"a stream in the cache, a cache asked for \(stream=False\)"):
+        MmapCachedDataset(cache_path, Fresh(N))
+    with pytest.raises(CacheMismatchError, match="a stream of seed 0 in the cache, seed=1 given"):
+        MmapCachedDataset(cache_path, Fresh(N), stream=True, seed=1)
+    other = cache_path + "-cache"
+    MmapCachedDataset(other, Fresh(N)).close()
+    with pytest.raises(CacheMismatchError, match=r"a cache in the cache, a stream asked for"):
+        MmapCachedDataset(other, Fresh(N), stream=True)
+    build = subprocess.run([sys.executable, "-m", "mmapcache", "build", cache_path, "--dataset", SPEC + ":fresh"],
+                           capture_output=True, text=True, timeout=120)
+    assert build.returncode == 2 and "is a stream: it is produced continuously" in build.stderr
+
+
+def test_producers_killed_mid_write_never_show_a_torn_value(cache_path: str) -> None:
+    """A storm of SIGKILLs on producers writing large rows: a row whose writer died reads as a miss."""
+    big = 4096
+    source = Fresh(N, width=big)
+    with MmapCachedDataset(cache_path, source, stream=True, max_bytes=40 * (8 * big + 64), seed=6) as ds:
+        loader = ds.loader(batch_size=8)
+        for _ in range(3):
+            producer = ds.produce(workers=2)
+            served = 0
+            for batch in loader:
+                assert intact(batch)
+                served += len(batch["i"])
+                if served % 40 == 0:
+                    for process in producer.processes:
+                        if process.is_alive():
+                            os.kill(process.pid, signal.SIGKILL)
+                    producer = ds.produce(workers=2)
+            producer.stop()
+        stats = ds.stream_stats
+        assert stats["served"] + stats["computed"] == 3 * N and stats["served"] > 0
+
+
+def test_padding_positions_and_drop_last(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Fresh(10), stream=True, seed=8) as ds:
+        loader = ds.loader(batch_size=2, rank=1, world_size=4, drop_last=True)
+        assert len(loader) == 1  # 3 positions for rank 1 of 4 (10 padded to 12): one whole batch of 2
+        order = epoch_order(8, 0, 10).tolist()
+        padded = order + order[:2]
+        got = [i for b in loader for i in b["i"].tolist()]
+        assert got == padded[1::4][:2]
+        got = [i for b in loader for i in b["i"].tolist()]  # the next epoch: the tail was passed, not kept
+        assert got == (epoch_order(8, 1, 10).tolist() * 2)[1::4][:2]
+        assert np.array_equal(np.sort(padded), np.sort(order + order[:2]))
