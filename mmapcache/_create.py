@@ -148,7 +148,7 @@ def create(
                 f.write(np.asarray(slot_index, dtype="<i8").tobytes())
         state_files = [(fmt.FILLED, bitmap_bytes(rows)), (fmt.STALE, bitmap_bytes(rows)), (fmt.SEQ, 4 * rows),
                        (fmt.KEYS, 8 * rows), (fmt.HEAPS, 8 * HEAP_BLOCK * len(layout.ragged)), (fmt.LOCK, 0),
-                       (fmt.USERS, 0)]
+                       (fmt.USERS, 0), (fmt.CHANGES, 8 * fmt.CHANGES_WORDS)]
         if stream is not None:
             state_files += [(fmt.RING, 8 * fmt.RING_WORDS), (fmt.PRODUCERS, 0)]
         for name, size in state_files:

@@ -31,7 +31,7 @@ from typing import TypeVar
 import numpy as np
 
 from ._files import open_file
-from ._format import FILLED, KEYS, LOCK, SEQ, STALE
+from ._format import CHANGES, CHANGES_WORDS, FILLED, KEYS, LOCK, SEQ, STALE
 from .errors import CacheFormatError, CacheReadOnlyError
 
 T = TypeVar("T")
@@ -139,9 +139,10 @@ class SlotState:
         nbits = bitmap_bytes(rows)
         self._maps = [
             map_exact(directory, name, size, access, writable)
-            for name, size in ((FILLED, nbits), (STALE, nbits), (SEQ, 4 * rows), (KEYS, 8 * rows))
+            for name, size in ((FILLED, nbits), (STALE, nbits), (SEQ, 4 * rows), (KEYS, 8 * rows),
+                               (CHANGES, 8 * CHANGES_WORDS))
         ]
-        filled_map, stale_map, seq_map, keys_map = self._maps
+        filled_map, stale_map, seq_map, keys_map, changes_map = self._maps
         # memoryviews index ~3x faster than numpy scalars; numpy views serve the vectorised paths.
         self.filled = memoryview(filled_map)
         self.stale = memoryview(stale_map)
@@ -151,6 +152,8 @@ class SlotState:
         self.seq_np = np.frombuffer(seq_map, "<u4")
         self.keys = memoryview(keys_map).cast("q")
         self.keys_np = np.frombuffer(keys_map, "<i8")
+        # changes.u64: [changes, complete] (see _format): the cache-wide seqlock of the warm path's fast check.
+        self.changes = memoryview(changes_map).cast("Q")
 
     # --- reading (lock-free) -----------------------------------------------------------------------------------
 
@@ -168,6 +171,32 @@ class SlotState:
 
     def stale_rows(self, rows: np.ndarray) -> np.ndarray:
         return ((self.stale_np[rows >> 3] >> (rows & 7).astype(np.uint8)) & 1) == 1
+
+    def all_complete(self) -> int:
+        """The cache-wide counter if every row is complete (filled, even, not stale) and no writer is changing
+        rows, else -1. A reader that copies rows and then finds ``changes[0]`` still equal to it needs no per-row
+        check: nothing was written meanwhile (the fast path of ``RowReader.gather``)."""
+        changes = self.changes
+        counter = changes[0]
+        if counter & 1 or changes[1] != self.rows:
+            return -1
+        return counter
+
+    def complete_rows(self) -> int:
+        """Rows that are complete: filled bit set, counter even (no writer mid-write), not stale."""
+        odd = (self.seq_np & 1).astype(bool)
+        return int((self.filled_mask() & ~odd & ~self.stale_mask()).sum())
+
+    def _begin_change_locked(self) -> None:
+        """Marks the cache as being changed (``changes[0]`` odd). Caller holds the writer lock. An odd counter
+        found here is a writer that died mid-change: the count of complete rows is taken again from the bits."""
+        counter = self.changes[0]
+        if counter & 1:
+            self.changes[1] = self.complete_rows()
+        self.changes[0] = counter | 1
+
+    def _end_change_locked(self) -> None:
+        self.changes[0] = self.changes[0] + 1
 
     def filled_mask(self) -> np.ndarray:
         """Boolean array over all rows: filled bit set."""
@@ -225,7 +254,11 @@ class SlotState:
         with self.lock:
             if wanted is not None and not wanted():
                 return False
-            return self._publish_locked(row, key, write)
+            self._begin_change_locked()
+            try:
+                return self._publish_locked(row, key, write)
+            finally:
+                self._end_change_locked()
 
     def publish_many(self, items: list[tuple[int, int, Callable[[bool], None]]]) -> int:
         """``publish`` for several ``(row, key, write)`` under one acquisition of the lock (a batch's misses);
@@ -234,9 +267,13 @@ class SlotState:
         self._require_writable()
         stored = 0
         with self.lock:
-            for row, key, write in items:
-                with contextlib.suppress(NoRoom):
-                    stored += self._publish_locked(row, key, write)
+            self._begin_change_locked()
+            try:
+                for row, key, write in items:
+                    with contextlib.suppress(NoRoom):
+                        stored += self._publish_locked(row, key, write)
+            finally:
+                self._end_change_locked()
         return stored
 
     def _publish_locked(self, row: int, key: int, write: Callable[[bool], None]) -> bool:
@@ -244,7 +281,8 @@ class SlotState:
         byte, mask = row >> 3, 1 << (row & 7)
         seq = self.seq[row]
         filled = bool(self.filled[byte] & mask) and not seq & 1  # odd: a writer died mid-write
-        if filled and not self.stale[byte] & mask and self.keys[row] == key:
+        complete = filled and not self.stale[byte] & mask
+        if complete and self.keys[row] == key:
             return False
         self.seq[row] = (seq | 1) & 0xFFFFFFFF
         try:
@@ -256,6 +294,8 @@ class SlotState:
         self.seq[row] = ((seq | 1) + 1) & 0xFFFFFFFF or 2  # wraps past 0 to 2: 0 means "never written"
         self.filled[byte] |= mask
         self.stale[byte] &= ~mask & 0xFF
+        if not complete:  # (a row rewritten for another key was complete before, and still is)
+            self.changes[1] += 1
         return True
 
     def mark_stale(self, rows: np.ndarray) -> int:
@@ -263,17 +303,23 @@ class SlotState:
         self._require_writable()
         rows = np.unique(np.asarray(rows, dtype=np.int64))
         with self.lock:
-            filled = self.filled_mask()[rows]
-            stale = self.stale_mask()
-            targets = rows[filled & ~stale[rows]]
-            stale[targets] = True
-            self.stale_np[:] = np.packbits(stale, bitorder="little")
+            self._begin_change_locked()
+            try:
+                filled = self.filled_mask()[rows]
+                stale = self.stale_mask()
+                targets = rows[filled & ~stale[rows]]
+                stale[targets] = True
+                self.stale_np[:] = np.packbits(stale, bitorder="little")
+                self.changes[1] = self.complete_rows()
+            finally:
+                self._end_change_locked()
         return len(targets)
 
     def close(self) -> None:
         self.lock.close()
         # Views must go before their maps can close; a map still exported elsewhere stays open until collected.
         del self.filled, self.stale, self.seq, self.filled_np, self.stale_np, self.seq_np, self.keys, self.keys_np
+        del self.changes
         for m in self._maps:
             with contextlib.suppress(BufferError):
                 m.close()

@@ -95,6 +95,12 @@ if its filled bit is set and ``seq[r]`` is even, and keeps the copy only if ``se
 (a seqlock). A filled row's counter is at least 2. An odd counter seen by a writer holding the lock is a writer
 that died mid-write: the row is treated as unfilled, and its old heap extents as lost (never reused or freed).
 
+``changes.u64``: 2 little-endian uint64, ``[changes, complete]``: a seqlock over the whole cache and the number of
+complete rows (filled bit set, counter even, not stale). A writer makes ``changes`` odd before it changes any row or
+bit and even after, and keeps ``complete`` exact. A reader that finds ``changes`` even and ``complete == R`` before
+copying rows, and ``changes`` unchanged after, needs no per-row check: no writer touched anything meanwhile. A writer
+that finds ``changes`` odd (a writer died mid-change) counts ``complete`` again from the bits.
+
 ``lock``: empty. ``flock(LOCK_EX)`` on it is the writer lock: bitmaps, counters, keys and heap counters change,
 and rows are written, only under it. POSIX byte-range locks (``fcntl``) on byte ``c`` of the same file are build
 workers' claims on chunk ``c`` in mode "cache", and a producer's claim on row ``c`` in mode "stream" (Linux keeps
@@ -145,9 +151,9 @@ Format history
 --------------
 1: first version. No heaps, keys or modes; str, bytes, lists and tensor subclasses refused.
 2: ragged fields in heaps with free lists; str, bytes, pylist and json kinds; tensor subclasses (``class``,
-   ``metadata``); ``keys.i64``, ``heaps.u64``, ``heap_budget``; node shares (``share``); stream mode (``mode``,
-   ``stream``, ``ring.u64``, ``producers``). A version-1 cache is refused with a message to rebuild it (a cache is
-   derived data; reading both would double the read path).
+   ``metadata``); ``keys.i64``, ``heaps.u64``, ``changes.u64``, ``heap_budget``; node shares (``share``); stream
+   mode (``mode``, ``stream``, ``ring.u64``, ``producers``). A version-1 cache is refused with a message to
+   rebuild it (a cache is derived data; reading both would double the read path).
 """
 
 from __future__ import annotations
@@ -176,6 +182,8 @@ USERS = "users"
 SLOT_INDEX = "slot_index.npy"
 KEYS = "keys.i64"
 HEAPS = "heaps.u64"
+CHANGES = "changes.u64"
+CHANGES_WORDS = 2
 RING = "ring.u64"
 RING_WORDS = 8 + 2 * 256  # the counters, then two words per consumer rank (see "Stream mode")
 PRODUCERS = "producers"
@@ -191,7 +199,7 @@ def is_cache(path: str) -> bool:
 def field_files(layout: Layout) -> list[dict[str, str | None]]:
     """The files of each field: ``file`` and ``shape_file`` (fixed fields), ``heap`` and ``index_file`` (ragged
     ones), named ``<name>.*`` when the name is a safe, unique file name, else ``field-<n>.*``."""
-    taken = {SLOT_INDEX, KEYS, HEAPS, RING, PRODUCERS}
+    taken = {SLOT_INDEX, KEYS, HEAPS, RING, PRODUCERS, CHANGES}
     files = []
     for n, field in enumerate(layout.fields):
         def names(stem: str, field: Any = field) -> dict[str, str | None]:
@@ -329,7 +337,8 @@ def _check_meta(meta: dict[str, Any]) -> None:
     if sorted(leaves + metadata) != list(range(len(layout.fields))):
         raise ValueError(f"the structure's leaves {sorted(leaves)} and metadata fields {metadata} do not match the "
                          f"{len(layout.fields)} fields")
-    used = dict.fromkeys((META, FILLED, STALE, SEQ, LOCK, USERS, KEYS, HEAPS, RING, PRODUCERS), "a state file")
+    used = dict.fromkeys((META, FILLED, STALE, SEQ, LOCK, USERS, KEYS, HEAPS, RING, PRODUCERS, CHANGES),
+                         "a state file")
     if meta["slot_index"] is not None:
         if meta["slot_index"] != SLOT_INDEX:
             raise ValueError(f"slot_index names {meta['slot_index']!r}, expected {SLOT_INDEX!r}")

@@ -94,7 +94,7 @@ def _forget_executor() -> None:
 os.register_at_fork(after_in_child=_forget_executor)
 
 
-def _threads() -> int:
+def configured_threads() -> int:
     """Threads per large gather: ``$MMAPCACHE_GATHER_THREADS``, default 1 (no splitting).
 
     Opt-in because it did not pay on the machine we measure on (2 vCPUs): a single ``numpy.take`` of a shuffled
@@ -116,7 +116,8 @@ def _pool() -> ThreadPoolExecutor:
     global _executor, _executor_pid
     with _executor_lock:
         if _executor is None or _executor_pid != os.getpid():  # pid: also covers a fork that skipped the hook
-            _executor = ThreadPoolExecutor(max_workers=max(1, _threads() - 1), thread_name_prefix="mmapcache-gather")
+            _executor = ThreadPoolExecutor(max_workers=max(1, configured_threads() - 1),
+                                           thread_name_prefix="mmapcache-gather")
             _executor_pid = os.getpid()
         return _executor
 
@@ -141,7 +142,7 @@ def take(data: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: int | Non
     """
     n = len(rows)
     if threads is None:
-        threads = 1 if in_dataloader_worker() else _threads()
+        threads = 1 if in_dataloader_worker() else configured_threads()
     threads = min(threads, out.nbytes // _MIN_BYTES_PER_THREAD, n)
     if threads <= 1:
         np.take(data, rows, axis=0, out=out, mode="clip")

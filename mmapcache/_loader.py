@@ -127,22 +127,48 @@ def _identity(batch: Any) -> Any:
 
 
 class _ArrayBatches(BatchSampler):
-    """``BatchSampler`` over torch's own finite samplers, yielding numpy arrays: the epoch's indices are drawn in
-    one C loop (``numpy.fromiter``) instead of one Python ``next`` per index, in exactly the order (and with the
-    same random draws) that ``BatchSampler(sampler, ...)`` would produce."""
+    """``BatchSampler`` over torch's own finite samplers (and ``ShareSampler``), yielding numpy arrays: the epoch's
+    indices are drawn as one array (``epoch_indices``) instead of one Python ``next`` per index, in exactly the
+    order (and with the same random draws) that ``BatchSampler(sampler, ...)`` would produce."""
 
     def __iter__(self) -> Iterator[np.ndarray]:  # type: ignore[override]
-        epoch_indices = getattr(self.sampler, "epoch_indices", None)  # ShareSampler: the epoch as one array
-        if epoch_indices is not None:
-            indices = epoch_indices()
-        else:
-            count = len(self.sampler)  # type: ignore[arg-type]  # RandomSampler and SequentialSampler are sized
-            indices = np.fromiter(iter(self.sampler), np.int64, count=count)
+        indices = epoch_indices(self.sampler)
         count = len(indices)
         size = self.batch_size
         stop = count - count % size if self.drop_last else count
         for start in range(0, stop, size):
             yield indices[start:start + size]
+
+
+def epoch_indices(sampler: Any) -> np.ndarray:
+    """The indices ``iter(sampler)`` would yield, as one int64 array.
+
+    ``RandomSampler`` draws exactly as its ``__iter__`` does (torch 2.x): a seed from the global generator when it
+    has none of its own, then one ``randperm`` per pass over the data plus one for the remainder (without
+    replacement), or ``randint`` in chunks of 32 (with): the same calls on the same generator, so the same order
+    and the same generator state afterwards, without turning each index into a Python int.
+    """
+    own = getattr(sampler, "epoch_indices", None)  # ShareSampler: the epoch as one array
+    if own is not None:
+        return own()
+    if type(sampler) is SequentialSampler:
+        return np.arange(len(sampler), dtype=np.int64)
+    if type(sampler) is RandomSampler:
+        n, count = len(sampler.data_source), sampler.num_samples
+        generator = sampler.generator
+        if generator is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        if sampler.replacement:
+            parts = [torch.randint(high=n, size=(32,), dtype=torch.int64, generator=generator)
+                     for _ in range(count // 32)]
+            parts.append(torch.randint(high=n, size=(count % 32,), dtype=torch.int64, generator=generator))
+        else:
+            parts = [torch.randperm(n, generator=generator) for _ in range(count // n)]
+            parts.append(torch.randperm(n, generator=generator)[:count % n])
+        return torch.cat(parts).numpy().astype(np.int64, copy=False)
+    return np.fromiter(iter(sampler), np.int64, count=len(sampler))
 
 
 class _EpochBatches(Sampler):

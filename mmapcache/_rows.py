@@ -62,6 +62,7 @@ class RowMap:
         self.variant_choice, self.seed = variant_choice, seed
         self.share = share
         self.keyed = share is not None and share.rotate_every is not None
+        self.total = slots == length  # every index is cacheable: a row for each, no check needed
         self._lookup = None if slot_index is None else _lookup(length, slot_index)
         # The generation whose mapping _lookup holds, with its slot index: replaced whole (one assignment), so a
         # thread reading it never sees the lookup of one generation with the slot index of another.
@@ -204,6 +205,8 @@ def check_indices(indices: object, length: int, where: str) -> np.ndarray:
         TypeError: not integers. IndexError: one is out of range (the first such is named).
     """
     idx = np.asarray(indices)
+    if idx.dtype == np.int64 and idx.ndim == 1 and idx.size and idx.min() >= 0 and idx.max() < length:
+        return idx  # the common case (a sampler's batch), checked with two reductions and no copy
     if idx.size == 0:
         return np.zeros(0, dtype=np.int64)
     if idx.dtype.kind == "O":  # Python ints beyond int64, or mixed objects

@@ -199,3 +199,61 @@ def _torch_dtype(value: Any) -> torch.dtype | None:
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
+
+
+# --- default collation of what MmapCachedDataset.__getitems__ returns ------------------------------------------------
+#
+# ``DataLoader(ds, batch_size=B)`` calls ``default_collate(ds.__getitems__(indices))``. ``__getitems__`` gathers each
+# field into one batch tensor and hands out its rows as views; stacking them again would copy every byte a second
+# time. So the views remember their batch (the ids of the views, in order, on the batch tensor), and a collate
+# function registered for ``torch.Tensor`` in ``default_collate_fn_map`` (torch's documented way to extend
+# ``default_collate``) returns that batch tensor when it is given exactly those views, in that order: one copy, the
+# gather's. Anything else (other tensors, a subset, another order) is stacked as before. A ragged field's values
+# (marked as such) are returned as a list, as ``ds.loader`` returns them, where ``torch.stack`` would fail.
+
+_VIEWS = "_mmapcache_views"  # on a batch tensor: the ids of the row views split_rows handed out
+_RAGGED = "_mmapcache_ragged"  # on a ragged field's value
+
+
+def split_rows(batch: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of a gathered batch tensor as views, marked so that ``default_collate`` gives back ``batch``."""
+    rows = list(batch.unbind(0))
+    setattr(_root(batch), _VIEWS, tuple(map(id, rows)))
+    return rows
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor views of ``tensor`` name as their ``_base`` (itself, or the one it is a view of)."""
+    return tensor if tensor._base is None else tensor._base
+
+
+def mark_ragged(flat: torch.Tensor, parts: list[Any]) -> list[Any]:
+    """Marks a ragged field's values (views of ``flat``, or tensors computed for misses) so that
+    ``default_collate`` returns them as a list."""
+    for part in parts:
+        setattr(part, _RAGGED, True)
+    return parts
+
+
+def _collate_tensors(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    first = batch[0]
+    base = first._base
+    views = getattr(base, _VIEWS, None) if base is not None else None
+    if views is not None and len(views) == len(batch) and tuple(map(id, batch)) == views:
+        return base if base.shape[0] == len(batch) else base.view(len(batch), *first.shape)
+    if getattr(first, _RAGGED, False) and all(getattr(t, _RAGGED, False) for t in batch):
+        return list(batch)
+    return _stack(batch, collate_fn_map=collate_fn_map)
+
+
+def _register() -> Any:
+    from torch.utils.data._utils import collate as torch_collate
+
+    table = torch_collate.default_collate_fn_map
+    previous = table.get(torch.Tensor, torch_collate.collate_tensor_fn)
+    if previous is not _collate_tensors:
+        table[torch.Tensor] = _collate_tensors
+    return previous if previous is not _collate_tensors else torch_collate.collate_tensor_fn
+
+
+_stack = _register()

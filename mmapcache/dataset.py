@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from ._create import parent_lock
 from ._filled import NoRoom
 from ._heap import UNCACHED
+from ._loader import alloc_shared, make_loader
 from ._open import Request, Source, identity, open_cache
 from ._options import ON_MISS, STALE_MODES, CreateOptions, check_bool, check_choice, check_optional_str, source_length
 from ._paths import resolve_path
@@ -237,7 +238,10 @@ class MmapCachedDataset(Dataset):
         idx = check_indices(indices, self._length, self._where())
         if reader.variable or len(idx) == 0:
             return [self[int(i)] for i in idx]
-        samples = reader.samples(self._gather(idx, self._epoch_view[0]))
+        # In a DataLoader worker the batch arrays are shared memory: default_collate hands them on as they are (see
+        # mmapcache.collate), and they cross to the main process without a copy.
+        alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
+        samples = reader.samples(self._gather(idx, self._epoch_view[0], alloc))
         if self.transform is not None:
             samples = [self.transform(s) for s in samples]
         return samples
@@ -247,7 +251,7 @@ class MmapCachedDataset(Dataset):
         reader = self._ensure_open()
         keyed = self._rows.keyed
         rows = self._rows.rows_of(idx, epoch)
-        columns, missing = reader.gather(rows, alloc, idx if keyed else None)
+        columns, missing = reader.gather(rows, alloc, idx if keyed else None, self._rows.total)
         computed: list[tuple[int, int, list[Any]]] = []
         try:
             for k in missing:
@@ -491,8 +495,6 @@ class MmapCachedDataset(Dataset):
         computed and stored. Needs ``reads_batches``. Safe across processes and threads."""
         reader = self._ensure_open()
         idx = check_indices(indices, self._length, self._where())
-        from ._loader import alloc_shared
-
         alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
         return reader.collate(self._gather(idx, self._epoch_view[0] if epoch is None else epoch, alloc), pad)
 
@@ -503,8 +505,6 @@ class MmapCachedDataset(Dataset):
         with default collation yields. Falls back to exactly that when a ``collate_fn`` or ``transform`` is set,
         or a field has a variable shape (which default collation cannot stack).
         """
-        from ._loader import make_loader
-
         return make_loader(self, **kwargs)
 
     # --- stream mode ------------------------------------------------------------------------------------------
@@ -572,8 +572,6 @@ class MmapCachedDataset(Dataset):
         ring = self._stream_ring()
         reader = self._ensure_open()
         positions = rank + np.arange(k0, k1, dtype=np.int64) * ranks
-        from ._loader import alloc_shared
-
         alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
 
         def compute(index: int) -> list[Any]:

@@ -147,8 +147,11 @@ def test_meta_json_matches_the_raw_bytes(cache_path: str) -> None:
     assert [int.from_bytes(keys[8 * i: 8 * i + 8], "little", signed=True) for i in FILLED] == sorted(FILLED)
     bits = _bytes(os.path.join(cache_path, "filled.bits"))
     assert bits == bytes([sum(1 << b for b in range(8) if 8 * k + b in FILLED) for k in range(len(bits))])
+    changes = _bytes(os.path.join(cache_path, "changes.u64"))
+    counter, complete = (int.from_bytes(changes[8 * w: 8 * w + 8], "little") for w in range(2))
+    assert counter % 2 == 0 and counter > 0 and complete == len(FILLED)  # no writer mid-change; complete rows
     assert sorted(os.listdir(cache_path)) == sorted(
-        ["meta.json", "filled.bits", "stale.bits", "seq.u32", "keys.i64", "heaps.u64", "lock", "users"]
+        ["meta.json", "filled.bits", "stale.bits", "seq.u32", "keys.i64", "heaps.u64", "changes.u64", "lock", "users"]
         + [f"{n}.npy" for n in fields])
 
 

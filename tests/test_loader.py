@@ -176,8 +176,8 @@ def test_large_batches_split_over_threads_copy_the_same_bytes(cache_path: str, m
         samples = ds.__getitems__(order[:48])
         assert all(torch.equal(s[0], Mixed(96, "pair", shape=shape)[i][0]) for s, i in zip(samples, order))
     monkeypatch.setenv("MMAPCACHE_GATHER_THREADS", "many")
-    with MmapCachedDataset(cache_path) as ds, pytest.raises(ValueError, match="MMAPCACHE_GATHER_THREADS"):
-        list(ds.loader(batch_size=48))
+    with pytest.raises(ValueError, match="MMAPCACHE_GATHER_THREADS"):  # read once, when the cache is opened
+        MmapCachedDataset(cache_path)
 
 
 def test_array_batches_follow_batch_sampler_order(cache_path: str) -> None:
@@ -218,3 +218,35 @@ def test_spawn_workers_and_an_interactive_main_get_a_clear_error(cache_path: str
         assert out.returncode == 0, out.stderr
         assert "refused: the source dataset (Src) is defined in an interactive __main__" in out.stdout
         assert "define it in a module" in out.stdout
+
+
+def test_default_collate_of_getitems_copies_each_byte_once(cache_path: str) -> None:
+    """DataLoader(ds) collates what __getitems__ gathered: the rows are views of one batch tensor, which
+    default_collate hands back instead of stacking a second copy; anything else is stacked as usual."""
+    from torch.utils.data import default_collate
+
+    with MmapCachedDataset(cache_path, Mixed(40, "pair")) as ds:
+        ds.fill()
+        samples = ds.__getitems__([5, 1, 30, 2])
+        images, labels = default_collate(samples)
+        assert images.data_ptr() == samples[0][0].data_ptr()  # the gather's tensor itself: no second copy
+        assert torch.equal(images, torch.stack([s[0] for s in samples])) and labels.tolist() == [s[1] for s in samples]
+        reordered = default_collate(samples[::-1])[0]  # not the gathered order: stacked, in the order given
+        assert reordered.data_ptr() != images.data_ptr() and torch.equal(reordered, images.flip(0))
+        subset = default_collate(samples[:2])[0]
+        assert torch.equal(subset, images[:2]) and subset.data_ptr() != images.data_ptr()
+        mine = [torch.zeros(3), torch.ones(3)]
+        assert torch.equal(default_collate(mine), torch.stack(mine))  # tensors of anyone else: unchanged
+
+
+def test_default_collation_of_a_ragged_field_is_a_list(cache_path: str) -> None:
+    rows = [{"ids": torch.arange(i % 5 + 1), "y": i} for i in range(20)]
+    with MmapCachedDataset(cache_path, rows, ragged=["ids"]) as ds:
+        for _ in range(2):  # misses, then hits
+            plain = list(DataLoader(ds, batch_size=8))
+            fused = list(ds.loader(batch_size=8))
+            for a, b, start in zip(plain, fused, range(0, 20, 8)):
+                assert isinstance(a["ids"], list) and [t.tolist() for t in a["ids"]] == [
+                    list(range(i % 5 + 1)) for i in range(start, min(start + 8, 20))]
+                assert [t.tolist() for t in a["ids"]] == [t.tolist() for t in b["ids"]]
+                assert torch.equal(a["y"], b["y"])
