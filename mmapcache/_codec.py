@@ -308,8 +308,16 @@ def _compile_walk(structure: Any) -> Callable[[Any, list[Any]], None]:
         return walk_sequence
 
     def mapping(keys: list[str], parts: list[Callable], children: list[Any]) -> Callable[[Any, list[Any]], None]:
+        key_tuple = tuple(keys)
+        if all(c.get("leaf") is not None for c in children):  # a flat dict of leaves: its values, in one step
+            def walk_flat_dict(obj: Any, out: list[Any]) -> None:
+                if type(obj) is not dict or tuple(obj) != key_tuple:
+                    raise _Slow
+                out.extend(obj.values())
+            return walk_flat_dict
+
         def walk_dict(obj: Any, out: list[Any]) -> None:
-            if type(obj) is not dict or list(obj) != keys:
+            if type(obj) is not dict or tuple(obj) != key_tuple:
                 raise _Slow
             for part, value in zip(parts, obj.values()):
                 part(value, out)
@@ -392,6 +400,7 @@ def _compile_leaf(field: Field) -> Callable[[Any], Any]:
 
     plain = torch.Tensor
     subclass = field.tensor_class is not None
+    fixed_shape = None if field.ragged or field.variable else field.shape
 
     def check_tensor(x: Any) -> Any:
         found = type(x)  # compared apart from x, so type checkers keep x as Any
@@ -399,10 +408,14 @@ def _compile_leaf(field: Field) -> Callable[[Any], Any]:
             x = x.as_subclass(plain)
         elif found is not tensor_type or subclass:
             raise _Slow
-        if x.dtype != target or x.requires_grad or x.is_conj() or x.is_neg() \
-                or x.device.type != "cpu" or not shape_ok(tuple(x.shape)):
+        if x.dtype != target or (x.shape != fixed_shape if fixed_shape is not None else not shape_ok(tuple(x.shape))):
             raise _Slow
-        return (x.view(raw) if raw is not None else x).numpy()
+        try:
+            # numpy() itself refuses what the cache must not take as is: a tensor that requires grad, is on another
+            # device, or has its conjugate or negative bit set; the slow path then explains or converts.
+            return (x.view(raw) if raw is not None else x).numpy()
+        except (RuntimeError, TypeError):
+            raise _Slow from None
     return check_tensor
 
 

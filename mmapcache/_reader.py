@@ -47,6 +47,9 @@ from ._layout import (
 from ._store import Store
 from .errors import UncachedFieldWarning, warn
 
+# Rows smaller than this are stored through the map (see RowReader.write_rows), larger ones with pwrite.
+_PAGE_BYTES = 4096
+
 # A reader that loses the seqlock race this many times in a row (a row rewritten again and again) gives up and
 # treats the row as a miss, which waits for the writer lock instead of spinning.
 _RETRIES = 4
@@ -189,6 +192,27 @@ class RowReader:
                 data[row] = value
             else:
                 _pwrite_all(fd, np.ascontiguousarray(value), offset + row * row_bytes)
+
+    @property
+    def fixed(self) -> bool:
+        """Whether every field has fixed-size rows (no ragged or ``max_shapes`` field): ``write_rows`` applies."""
+        return not self.ragged and not self.variable
+
+    def write_rows(self, rows: np.ndarray, columns: list[np.ndarray], positions: np.ndarray) -> None:
+        """Copies batch positions ``positions`` of gathered ``columns`` into cache rows ``rows[positions]``, a field
+        at a time (``fixed`` layouts). The caller holds the writer lock (``SlotState.publish_rows``).
+
+        Small rows are stored through the map in one vectorised assignment per field (one system call per row
+        would cost more than the copy); rows of a page or more through ``pwrite`` each (no page faults here).
+        """
+        targets = rows[positions]
+        for data, fd, offset, row_bytes, column in zip(
+                self.data, self.store.data_fds, self.store.data_offsets, self._row_bytes, columns):
+            if fd < 0 or data.ndim == 1 or row_bytes < _PAGE_BYTES:
+                data[targets] = column[positions]
+                continue
+            for row, k in zip(targets.tolist(), positions.tolist()):
+                _pwrite_all(fd, column[k], offset + row * row_bytes)
 
     def _write_ragged(self, row: int, values: list[Any], owned: bool) -> None:
         """Finds room for every ragged value of the row (all or nothing), writes them and their index rows, then

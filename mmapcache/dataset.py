@@ -252,33 +252,49 @@ class MmapCachedDataset(Dataset):
         keyed = self._rows.keyed
         rows = self._rows.rows_of(idx, epoch)
         columns, missing = reader.gather(rows, alloc, idx if keyed else None, self._rows.total)
+        if not missing:
+            return columns
         computed: list[tuple[int, int, list[Any]]] = []
+        filled = reader.state.filled
+        indices, row_list = idx.tolist(), rows.tolist()
         try:
             for k in missing:
-                index, row = int(idx[k]), int(rows[k])
-                # Rewritten during the gather: read again.
-                values = reader.read_values(row, index if keyed else -1) if row >= 0 else None
+                index, row = indices[k], row_list[k]
+                # A row that was filled but rewritten during the gather: read it again.
+                values = reader.read_values(row, index if keyed else -1) if row >= 0 and filled[row >> 3] >> (
+                    row & 7) & 1 else None
                 if values is None:
                     self._require_source(index, row)
                     values = self._checked(reader, self._fetch(index), index)
                     if row >= 0:
-                        computed.append((row, index, values))
+                        computed.append((k, index, values))
                 for column, value in zip(columns, values):
                     column[k] = value
         finally:
             # One lock acquisition for the whole batch; samples computed before a failing one are kept.
             if computed:
-                self._publish_rows(computed)
+                self._publish_rows(rows, columns, computed)
         return columns
 
-    def _publish_rows(self, computed: list[tuple[int, int, list[Any]]]) -> None:
+    def _publish_rows(self, rows: np.ndarray, columns: list[Any], computed: list[tuple[int, int, list[Any]]]) -> None:
+        """Stores a batch's computed misses: ``computed`` holds ``(position, index, values)``, and the batch
+        ``columns`` already hold the values (fixed layouts store from them, each step vectorised)."""
         if not self._store.writable:
             _warn_read_only(self.path)
             return
         reader = self._ensure_open()
+        if reader.fixed:
+            positions = np.array([k for k, _, _ in computed], np.int64)
+            targets = rows[positions]
+            _, first = np.unique(targets, return_index=True)  # an index asked twice in a batch: stored once
+            positions = positions[np.sort(first)]
+            keys = np.array([index for _, index, _ in computed], np.int64)[np.sort(first)]
+            self._store.state.publish_rows(rows[positions], keys,
+                                           lambda todo: reader.write_rows(rows, columns, positions[todo]))
+            return
         self._store.state.publish_many(
-            [(row, index, functools.partial(reader.write, row, values)) for row, index, values in computed]
-        )
+            [(int(rows[k]), index, functools.partial(reader.write, int(rows[k]), values))
+             for k, index, values in computed])
 
     # --- misses ------------------------------------------------------------------------------------------------
 
