@@ -118,7 +118,7 @@ class RowMap:
         """The slots of in-range source indices (int64) in epoch ``epoch``, -1 where not cacheable."""
         lookup = self._lookup if not self.keyed else self._mapping(epoch)[0]
         if lookup is None:
-            return np.where(idx < self.slots, idx, -1)
+            return idx if self.total else np.where(idx < self.slots, idx, -1)
         return lookup[idx]
 
     def rows_of(self, idx: np.ndarray, epoch: int) -> np.ndarray:

@@ -504,13 +504,15 @@ class MmapCachedDataset(Dataset):
         """Whether ``read_batch`` can build collated batches (no ``transform``, no variable-shape field)."""
         return self.transform is None and not self._ensure_open().variable
 
-    def read_batch(self, indices: Sequence[int] | np.ndarray, epoch: int | None = None, pad: Any = None) -> Any:
+    def read_batch(self, indices: Sequence[int] | np.ndarray, epoch: int | None = None, pad: Any = None, *,
+                   trusted: bool = False) -> Any:
         """The batch of ``indices`` as ``default_collate`` would build it from ``[ds[i] for i in indices]``, in one
         gather per field straight into the batch's tensors (shared memory in a DataLoader worker); a ragged field
         is a list of its values, or with ``pad`` (a ``mmapcache.PadCollate``) a ``Padded`` batch. Misses are
-        computed and stored. Needs ``reads_batches``. Safe across processes and threads."""
+        computed and stored. Needs ``reads_batches``. ``trusted``: ``indices`` is an int64 array of valid indices
+        (``ds.loader``'s own sampler), not checked again. Safe across processes and threads."""
         reader = self._ensure_open()
-        idx = check_indices(indices, self._length, self._where())
+        idx = np.asarray(indices) if trusted else check_indices(indices, self._length, self._where())
         alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
         return reader.collate(self._gather(idx, self._epoch_view[0] if epoch is None else epoch, alloc), pad)
 
