@@ -31,7 +31,6 @@ from ._gather import take
 from ._heap import UNCACHED, Heap, budget_left
 from ._layout import (
     BOOL,
-    BYTES,
     FLOAT,
     INT,
     JSON,
@@ -40,9 +39,16 @@ from ._layout import (
     PYLIST,
     STR,
     TENSOR,
-    TEXT_ERRORS,
     TEXT_KINDS,
     Field,
+)
+from ._ragged import (
+    gather_ragged,
+    one_length,
+    ragged_reader,
+    ragged_splitter,
+    str_reader,
+    torch_target,
 )
 from ._store import Store
 from .errors import UncachedFieldWarning, warn
@@ -76,7 +82,7 @@ class RowReader:
         # Closures over the maps, never over self: a cycle through self would keep the maps (and the file
         # system) busy after close until the garbage collector ran.
         self._raw_readers = [
-            _ragged_reader(index, heap, f.np_dtype) if heap is not None and index is not None
+            ragged_reader(index, heap, f.np_dtype) if heap is not None and index is not None
             else _raw_reader(data, shapes)
             for f, data, shapes, index, heap in zip(self.fields, self.data, self.shapes, store.index, store.heaps)
         ]
@@ -100,8 +106,8 @@ class RowReader:
         if heap is not None:
             index = self.store.index[n]
             if field.kind == STR:
-                return _str_reader(index, heap)  # type: ignore[arg-type]
-            raw, convert = _ragged_reader(index, heap, field.np_dtype), leaf_converter(field)  # type: ignore[arg-type]
+                return str_reader(index, heap)  # type: ignore[arg-type]
+            raw, convert = ragged_reader(index, heap, field.np_dtype), leaf_converter(field)  # type: ignore[arg-type]
             return lambda row: convert(raw(row))
         if field.kind in (INT, FLOAT, BOOL):
             return data.item  # Python int/float/bool straight from the buffer
@@ -299,7 +305,7 @@ class RowReader:
         n = len(rows)
         for field, data, index, heap in zip(self.fields, self.data, self.store.index, self.store.heaps):
             if heap is not None:
-                columns.append(_gather_ragged(field, index, heap, rows, np.ones(n, bool)))  # type: ignore[arg-type]
+                columns.append(gather_ragged(field, index, heap, rows, np.ones(n, bool)))  # type: ignore[arg-type]
                 continue
             out = alloc((n, *field.shape), field.np_dtype)
             self._copy_rows(data, rows, out)
@@ -328,7 +334,7 @@ class RowReader:
         columns: list[Any] = []
         for field, data, index, heap in zip(self.fields, self.data, self.store.index, self.store.heaps):
             if heap is not None:
-                column = _gather_ragged(field, index, heap, safe_rows, readable)  # type: ignore[arg-type]
+                column = gather_ragged(field, index, heap, safe_rows, readable)  # type: ignore[arg-type]
                 readable &= column.valid
                 columns.append(column)
                 continue
@@ -367,21 +373,13 @@ class RowReader:
                 leaves.append(None)  # a tensor subclass's attributes: default_collate's stack drops them too
             elif pad is not None and field.kind not in TEXT_KINDS and (
                     pad.fields is None or field.name in pad.fields):
-                leaves.append(pad.pad(*column.merged(), _torch_target(field)))
-            elif field.kind == PYLIST and len(field.shape) == 1 and _one_length(column):
+                leaves.append(pad.pad(*column.merged(), torch_target(field)))
+            elif field.kind == PYLIST and len(field.shape) == 1 and one_length(column):
                 flat, counts, _ = column.merged()
                 leaves.append(convert(flat.reshape(len(counts), -1)))
             else:
                 leaves.append(split(column))
         return self.build_batch(leaves)
-
-
-def _one_length(column: RaggedColumn) -> bool:
-    """Whether every value of a batch of 1-D values has the same length (misses included)."""
-    lengths = column.counts.tolist()
-    for position, value in column.patches.items():
-        lengths[position] = value.size
-    return bool(lengths) and lengths.count(lengths[0]) == len(lengths)
 
 
 def _take_rows(data: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
@@ -399,136 +397,11 @@ def _raw_reader(data: np.ndarray, shapes: np.ndarray | None) -> Callable[[int], 
     return read_variable
 
 
-def _words(index: np.ndarray) -> memoryview:
-    """The index's int64 words as a flat memoryview (indexing one is ~3x faster than indexing numpy)."""
-    if not index.size:
-        return memoryview(b"").cast("q")
-    return memoryview(index.reshape(-1)).cast("B").cast("q")  # type: ignore[arg-type]
-
-
-class _Torn(Exception):
-    """A ragged value's index row does not describe a value in the heap: a writer is rewriting it."""
-
-
-def _ragged_reader(index: np.ndarray, heap: Heap, dtype: np.dtype) -> Callable[[int], np.ndarray]:
-    """A function copying a ragged field's value of a row out of its heap, as numpy at its shape. Closes over the
-    index's memoryview and the heap (never a store or reader: see ``RowReader.__init__``)."""
-    width = index.shape[1]
-    ndim = width - 2
-    words = _words(index)
-
-    itemsize = dtype.itemsize
-
-    def read(row: int) -> np.ndarray:
-        base = row * width
-        offset, capacity = words[base], words[base + 1]
-        if ndim == 1:
-            shape: tuple[int, ...] = (words[base + 2],)
-            end = offset + shape[0] * itemsize
-        else:
-            shape = tuple(words[base + 2:base + width])
-            end = offset + math.prod(shape) * itemsize
-        buf = heap.buf if end <= heap.size else heap.covering(end)
-        if offset < 0 or end > offset + capacity or end > len(buf) or min(shape) < 0:
-            raise _Torn
-        return buf[offset:end].view(dtype).reshape(shape).copy()
-    return read
-
-
-def _str_reader(index: np.ndarray, heap: Heap) -> Callable[[int], str]:
-    """``_ragged_reader`` for a str field, straight to ``str`` (one copy, into the decoded string)."""
-    words = _words(index)
-
-    def read(row: int) -> str:
-        offset, capacity, nbytes = words[row * 3], words[row * 3 + 1], words[row * 3 + 2]
-        end = offset + nbytes
-        buf = heap.buf if end <= heap.size else heap.covering(end)
-        if offset < 0 or nbytes < 0 or nbytes > capacity or end > len(buf):
-            raise _Torn
-        return buf.data[offset:end].tobytes().decode("utf-8", TEXT_ERRORS)
-    return read
-
-
-class RaggedColumn:
-    """A batch of one ragged field's values, gathered back to back: ``flat`` (C order), ``counts`` elements each,
-    ``shapes`` ``(B, ndim)``. Positions filled after the gather (misses) are ``patches``. ``valid`` marks the
-    positions whose index row described a value (the others were being rewritten: the caller fills them)."""
-
-    __slots__ = ("counts", "flat", "patches", "shapes", "valid")
-
-    def __init__(self, flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, valid: np.ndarray) -> None:
-        self.flat, self.counts, self.shapes, self.valid = flat, counts, shapes, valid
-        self.patches: dict[int, np.ndarray] = {}
-
-    def __setitem__(self, position: int, value: Any) -> None:
-        self.patches[position] = np.asarray(value)
-
-    def parts(self) -> list[np.ndarray]:
-        """Each position's value (views into ``flat``; patches as given)."""
-        flat, ends = self.flat, np.cumsum(self.counts).tolist()
-        starts = [0, *ends[:-1]]
-        if self.shapes.shape[1] == 1:
-            parts = [flat[a:b] for a, b in zip(starts, ends)]
-        else:
-            parts = [flat[a:b].reshape(shape) for a, b, shape in zip(starts, ends, self.shapes.tolist())]
-        for position, value in self.patches.items():
-            parts[position] = value
-        return parts
-
-    def merged(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(flat, counts, shapes)`` with the patches folded in."""
-        if not self.patches:
-            return self.flat, self.counts, self.shapes
-        parts = self.parts()
-        flat = np.concatenate([p.reshape(-1) for p in parts]).astype(self.flat.dtype, copy=False)
-        shapes = np.array([p.shape for p in parts], np.int64).reshape(len(parts), -1)
-        return flat, np.array([p.size for p in parts], np.int64), shapes
-
-
-# Values larger than this are copied slice by slice; smaller ones through one vectorised gather of their elements.
-_SLICE_BYTES = 1 << 16
-
-
-def _gather_ragged(field: Field, index: np.ndarray, heap: Heap, rows: np.ndarray,
-                   readable: np.ndarray) -> RaggedColumn:
-    """The values of ``rows`` (where ``readable``) of a ragged field, copied out of its heap in one step."""
-    itemsize = field.np_dtype.itemsize
-    entries = index[rows]
-    offsets, capacities, shapes = entries[:, 0], entries[:, 1], entries[:, 2:]
-    counts = shapes[:, 0] if shapes.shape[1] == 1 else np.prod(shapes, axis=1)
-    ends = offsets + counts * itemsize
-    buf = heap.covering(int(ends.max()) if len(rows) else 0)
-    valid = (offsets >= 0) & (ends <= len(buf)) & (offsets % itemsize == 0) & (
-        counts * itemsize <= capacities) & (shapes >= 0).all(axis=1)
-    use = readable & valid
-    counts = np.where(use, counts, 0)
-    shapes = np.where(use[:, None], shapes, 0)
-    total = int(counts.sum())
-    elements = buf[:len(buf) - len(buf) % itemsize].view(field.np_dtype)
-    first = np.where(use, offsets // itemsize, 0)
-    if total == 0:
-        flat = np.empty(0, field.np_dtype)
-    elif total * itemsize <= _SLICE_BYTES * max(1, int(use.sum())):
-        starts = np.cumsum(counts) - counts
-        flat = elements[np.repeat(first - starts, counts) + np.arange(total)]
-    else:
-        flat = np.concatenate([elements[a:a + c] for a, c in zip(first.tolist(), counts.tolist()) if c])
-    return RaggedColumn(flat, counts, shapes, valid | ~readable)
-
-
-def _torch_target(field: Field) -> Any:
-    if field.kind != TENSOR or field.torch_dtype is None:
-        return None
-    import torch
-
-    return getattr(torch, field.torch_dtype)
-
-
 def _splitter(field: Field) -> Callable[[Any], list[Any]]:
     """Splits a gathered batch (an array with a leading batch axis, or a ``RaggedColumn``) into per-sample values
     of the source's types."""
     if field.ragged:
-        return _ragged_splitter(field)
+        return ragged_splitter(field)
     if field.kind == PYLIST:
         return lambda batch: batch.tolist()
     if field.kind == TENSOR:
@@ -542,42 +415,6 @@ def _splitter(field: Field) -> Callable[[Any], list[Any]]:
         # Iterating a 1-D batch yields numpy scalars; a 0-d ndarray field must stay a 0-d ndarray, as ds[i] gives.
         return lambda batch: [batch[i, ...] for i in range(len(batch))]
     return list  # ndarray rows (views of the fresh batch) or numpy scalars (iteration yields copies)
-
-
-def _ragged_splitter(field: Field) -> Callable[[RaggedColumn], list[Any]]:
-    if field.kind in TEXT_KINDS:
-        decode = field.kind == STR
-        make = None if field.kind in (STR, BYTES) else leaf_converter(field)
-
-        def split_text(column: RaggedColumn) -> list[Any]:
-            data, ends = column.flat.tobytes(), np.cumsum(column.counts).tolist()
-            out: list[Any] = [data[a:b] for a, b in zip([0, *ends[:-1]], ends)]
-            for position, value in column.patches.items():
-                out[position] = value.tobytes()
-            if make is not None:
-                return [make(np.frombuffer(b, np.uint8)) for b in out]
-            return [b.decode("utf-8", TEXT_ERRORS) for b in out] if decode else out
-        return split_text
-    convert = leaf_converter(field)
-    if field.kind == TENSOR:
-        import torch
-
-        from .collate import mark_ragged
-
-        target = _torch_target(field)
-
-        def split_tensors(column: RaggedColumn) -> list[Any]:
-            flat = torch.from_numpy(column.flat)
-            if flat.dtype != target:
-                flat = flat.view(target)
-            parts = list(flat.split(column.counts.tolist()))
-            if column.shapes.shape[1] != 1:
-                parts = [p.view(shape) for p, shape in zip(parts, column.shapes.tolist())]
-            for position, value in column.patches.items():
-                parts[position] = convert(value)
-            return mark_ragged(flat, parts)
-        return split_tensors
-    return lambda column: [convert(p) for p in column.parts()]
 
 
 def _value_converter(field: Field) -> Callable[[Any], Any]:
