@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from bench_core import Config, Results
+from bench_core import Config, Results, set_group, set_profile
 from bench_reads import run_captions, run_fixed, run_tokens
 from bench_report import machine, summarize, write
 from bench_side import run_build, run_features, run_lock, run_memory, run_stocaching
@@ -60,6 +60,7 @@ def run_once(groups: list[str], cfg: Config) -> dict[str, Any]:
     for group in groups:
         print(f"[{group}]", flush=True)
         group_start = time.perf_counter()
+        set_group(group)
         try:
             GROUPS[group](cfg, results)
         except Exception as exc:
@@ -84,12 +85,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "bench"), help="output directory")
     parser.add_argument("--no-stocaching", action="store_true", help="skip the stocaching rows (no venv)")
+    parser.add_argument("--profile", default="", metavar="GROUP:SIDE",
+                        help="run one side's measured rounds under cProfile (e.g. tabular:loader, dict:cached; side "
+                             "names are the keys in results.json's targets) and write OUT/profile-GROUP-SIDE.txt; "
+                             "that side's times, and ratios using them, are then not valid")
     args = parser.parse_args(argv)
     groups = [g for g in args.only.split(",") if g] or list(GROUPS)
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
         parser.error(f"unknown group(s) {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
     groups = [g for g in GROUPS if g in groups]
+    if args.profile:
+        group, _, side = args.profile.partition(":")
+        if group not in GROUPS or not side:
+            parser.error(f"--profile takes GROUP:SIDE with GROUP one of {', '.join(GROUPS)}, got {args.profile!r}")
+        set_profile(group, side, args.out)
     if args.repeat < 1 or (args.rounds is not None and args.rounds < 1) or args.scale <= 0 or args.batch_size < 1:
         parser.error("--repeat, --rounds and --batch-size must be at least 1, --scale positive")
     cfg = Config(batch=args.batch_size, quick=args.quick, scale=args.scale,

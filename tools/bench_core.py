@@ -9,9 +9,12 @@ first round and after every round and recorded beside each ratio; this process i
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import io
 import math
 import os
+import pstats
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -92,6 +95,7 @@ class Comparison:
 
     sides: dict[str, Measured]
     loads: list[tuple[float, float, float]]
+    profiled: str | None = None  # a side run under cProfile (--profile): its times are inflated
 
     def rate(self, name: str) -> float:
         """Best units per second of side ``name``."""
@@ -113,7 +117,7 @@ def interleave(sides: Sequence[Side], rounds: int, *, warmup: int = 1, min_time:
 
     The warm-up rounds also set each autoranged side's calls per measurement: enough to last ``min_time``. A full
     garbage collection precedes every measurement (outside it), so one side's garbage is not collected in
-    another's time.
+    another's time. A side selected by ``profile`` runs its measured rounds under cProfile.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
@@ -126,13 +130,22 @@ def interleave(sides: Sequence[Side], rounds: int, *, warmup: int = 1, min_time:
             _, seconds = _measure(side, 1)
             if side.autorange and min_time > 0:
                 measured[side.name].reps = max(1, math.ceil(min_time / max(seconds, 1e-9)))
+    profiler = next((cProfile.Profile() for side in sides if _profiling(side.name)), None)
     loads = [os.getloadavg()]
     for _ in range(rounds):
         for side in sides:
             gc.collect()
+            on = profiler is not None and _profiling(side.name)
+            if on:
+                profiler.enable()  # type: ignore[union-attr]
             measured[side.name].rounds.append(_measure(side, measured[side.name].reps))
+            if on:
+                profiler.disable()  # type: ignore[union-attr]
         loads.append(os.getloadavg())
-    return Comparison(measured, loads)
+    profiled = next((side.name for side in sides if _profiling(side.name)), None)
+    if profiler is not None and profiled is not None:
+        _write_profile(profiler, profiled)
+    return Comparison(measured, loads, profiled)
 
 
 def _measure(side: Side, reps: int) -> tuple[float, float]:
@@ -151,6 +164,36 @@ def _measure(side: Side, reps: int) -> tuple[float, float]:
     if not self_timed:
         seconds = time.perf_counter() - start
     return count, seconds
+
+
+# --profile GROUP:SIDE (tools/bench.py): which side to profile, in which group, and where the stats go. The group
+# running now is set by the orchestration (``set_group``), so the groups need not pass it to every comparison.
+_profile: dict[str, str] = {"group": "", "side": "", "out": ""}
+_group = [""]
+
+
+def set_profile(group: str, side: str, out: str) -> None:
+    _profile.update(group=group, side=side, out=out)
+
+
+def set_group(group: str) -> None:
+    _group[0] = group
+
+
+def _profiling(side: str) -> bool:
+    return bool(_profile["side"]) and _profile["group"] == _group[0] and _profile["side"] == side
+
+
+def _write_profile(profiler: cProfile.Profile, side: str) -> None:
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+    path = os.path.join(_profile["out"], f"profile-{_group[0]}-{side}.txt")
+    os.makedirs(_profile["out"], exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    print(f"  profile of {_group[0]}:{side} (its times are inflated by the profiler): {path}", flush=True)
 
 
 def load_now() -> list[float]:
@@ -197,6 +240,8 @@ class Results:
         """Target ``key`` as ``comparison.ratio(a, b)``, keeping both sides' rounds."""
         sides = {name: {"rates": comparison.sides[name].rates, "reps": comparison.sides[name].reps}
                  for name in (a, b)}
+        if comparison.profiled in (a, b):
+            note = f"{note}; PROFILED ({comparison.profiled}): not a valid measurement".lstrip("; ")
         self.target(key, comparison.ratio(a, b), comparison.load(), note, sides)
 
 
