@@ -75,19 +75,23 @@ def in_memory(w: FixedWorkload, paths: dict[str, str]) -> Any:
     return [{name: int(a[i]) if a.ndim == 1 else a[i] for name, a in arrays.items()} for i in range(n)]
 
 
-def raw_gather(ds: MmapCachedDataset, n: int, batch: int) -> Callable[[], None]:
+def raw_gather(ds: MmapCachedDataset, n: int, batch: int, buffers: int = 1) -> Callable[[], None]:
     """An epoch of the raw limit: per batch, the sorted shuffled rows taken with ``np.take`` per field into
-    preallocated buffers, straight from the cache's own ``.npy`` memmaps."""
+    preallocated buffers, straight from the cache's own ``.npy`` memmaps.
+
+    With ``buffers=2`` the batches alternate between two sets of buffers, as any loader's must while the loop
+    still holds the previous batch: a batch of several MB then no longer stays in the CPU's caches between uses.
+    """
     arrays = [np.asarray(np.load(os.path.join(ds.path, spec["file"]), mmap_mode="r"))[:n]
               for spec in ds._store.meta["fields"]]
-    outs = [np.empty((batch, *a.shape[1:]), a.dtype) for a in arrays]
+    sets = [[np.empty((batch, *a.shape[1:]), a.dtype) for a in arrays] for _ in range(buffers)]
     rng = np.random.default_rng(1)
 
     def run() -> None:
         perm = rng.permutation(n)
-        for k in range(0, n, batch):
+        for j, k in enumerate(range(0, n, batch)):
             rows = np.sort(perm[k:k + batch])
-            for a, out in zip(arrays, outs):
+            for a, out in zip(arrays, sets[j % buffers]):
                 np.take(a, rows, axis=0, out=out[:len(rows)], mode="clip")
     return run
 
@@ -95,9 +99,11 @@ def raw_gather(ds: MmapCachedDataset, n: int, batch: int) -> Callable[[], None]:
 def warm(w: FixedWorkload, cfg: Config, results: Results, ds: MmapCachedDataset, baseline: Any, n: int) -> None:
     b = cfg.batch
     sides = [Side("raw", raw_gather(ds, n, b), n),
+             Side("raw2", raw_gather(ds, n, b, buffers=2), n),
              Side("loader", epoch(ds.loader(batch_size=b, shuffle=True)), n),
              Side("baseline", epoch(DataLoader(baseline, batch_size=b, shuffle=True)), n)]
     labels = {"raw": f"{w.title}: raw sorted np.take gather, preallocated buffers",
+              "raw2": f"{w.title}: the same raw gather alternating between 2 buffer sets",
               "loader": f"{w.title}: mmapcache ds.loader(), nw=0",
               "baseline": f"{w.title}: {w.baseline}, nw=0",
               "getitems": f"{w.title}: mmapcache DataLoader(ds) via __getitems__, nw=0",
@@ -114,6 +120,7 @@ def warm(w: FixedWorkload, cfg: Config, results: Results, ds: MmapCachedDataset,
             per_sample_ds.close()
     results.sides(w.name, cmp, labels)
     results.compared(f"{w.name}.loader_vs_raw", cmp, "loader", "raw")
+    info(results, w.name, cmp, "loader", "raw2", f"{w.title}: ds.loader vs raw gather into 2 buffer sets")
     key = f"{w.name}.loader_vs_baseline"
     if key in TARGETS:
         results.compared(key, cmp, "loader", "baseline")
