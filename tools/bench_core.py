@@ -74,11 +74,15 @@ class Side:
 
 @dataclass
 class Measured:
-    """One side's rounds: ``(count, seconds)`` per round, in order, and the calls per round."""
+    """One side's rounds: ``(count, seconds)`` per round, in order, the calls per round, and per round the share of
+    the wall time this process spent on a CPU (None for sides that time themselves). For a single-threaded side a
+    share well under 1 says the round was descheduled: the machine was busy just then, whatever the load average
+    (a 1-minute mean) says."""
 
     name: str
     rounds: list[tuple[float, float]] = field(default_factory=list)
     reps: int = 1
+    cpu_shares: list[float | None] = field(default_factory=list)
 
     @property
     def rates(self) -> list[float]:
@@ -87,6 +91,10 @@ class Measured:
     @property
     def best_rate(self) -> float:
         return max(self.rates)
+
+    @property
+    def best_cpu_share(self) -> float | None:
+        return self.cpu_shares[self.rates.index(self.best_rate)]
 
 
 @dataclass
@@ -127,7 +135,7 @@ def interleave(sides: Sequence[Side], rounds: int, *, warmup: int = 1, min_time:
     for _ in range(warmup):
         for side in sides:
             gc.collect()
-            _, seconds = _measure(side, 1)
+            _, seconds, _ = _measure(side, 1)
             if side.autorange and min_time > 0:
                 measured[side.name].reps = max(1, math.ceil(min_time / max(seconds, 1e-9)))
     profiler = next((cProfile.Profile() for side in sides if _profiling(side.name)), None)
@@ -138,7 +146,9 @@ def interleave(sides: Sequence[Side], rounds: int, *, warmup: int = 1, min_time:
             on = profiler is not None and _profiling(side.name)
             if on:
                 profiler.enable()  # type: ignore[union-attr]
-            measured[side.name].rounds.append(_measure(side, measured[side.name].reps))
+            count, seconds, cpu_share = _measure(side, measured[side.name].reps)
+            measured[side.name].rounds.append((count, seconds))
+            measured[side.name].cpu_shares.append(cpu_share)
             if on:
                 profiler.disable()  # type: ignore[union-attr]
         loads.append(os.getloadavg())
@@ -148,10 +158,12 @@ def interleave(sides: Sequence[Side], rounds: int, *, warmup: int = 1, min_time:
     return Comparison(measured, loads, profiled)
 
 
-def _measure(side: Side, reps: int) -> tuple[float, float]:
-    """``(count, seconds)`` of ``reps`` calls of ``side.run``; the side's own timing wins when it returns one."""
+def _measure(side: Side, reps: int) -> tuple[float, float, float | None]:
+    """``(count, seconds, cpu share)`` of ``reps`` calls of ``side.run``; the side's own timing wins when it returns
+    one (its CPU share is then unknown: None)."""
     count = seconds = 0.0
     self_timed = False
+    cpu = time.process_time()
     start = time.perf_counter()
     for _ in range(reps):
         timed = side.run()
@@ -161,9 +173,10 @@ def _measure(side: Side, reps: int) -> tuple[float, float]:
             self_timed = True
             count += timed.count
             seconds += timed.seconds
-    if not self_timed:
-        seconds = time.perf_counter() - start
-    return count, seconds
+    if self_timed:
+        return count, seconds, None
+    seconds = time.perf_counter() - start
+    return count, seconds, round((time.process_time() - cpu) / seconds, 3) if seconds > 0 else None
 
 
 # --profile GROUP:SIDE (tools/bench.py): which side to profile, in which group, and where the stats go. The group
@@ -221,8 +234,10 @@ class Results:
         """A row per side of ``comparison`` (its best rate), named by ``labels[side]``."""
         for name, measured in comparison.sides.items():
             calls = f", {measured.reps} epochs per round" if measured.reps > 1 else ""
+            share = measured.best_cpu_share
+            cpu = f", CPU share {share:.2f}" if share is not None else ""
             self.row(group, labels.get(name, name), measured.best_rate, unit,
-                     f"best of {len(measured.rounds)} interleaved rounds{calls}{'; ' + note if note else ''}",
+                     f"best of {len(measured.rounds)} interleaved rounds{calls}{cpu}{'; ' + note if note else ''}",
                      comparison.load())
 
     def target(self, key: str, measured: float, load: list[float], note: str = "",
@@ -238,8 +253,8 @@ class Results:
 
     def compared(self, key: str, comparison: Comparison, a: str, b: str, note: str = "") -> None:
         """Target ``key`` as ``comparison.ratio(a, b)``, keeping both sides' rounds."""
-        sides = {name: {"rates": comparison.sides[name].rates, "reps": comparison.sides[name].reps}
-                 for name in (a, b)}
+        sides = {name: {"rates": comparison.sides[name].rates, "reps": comparison.sides[name].reps,
+                        "cpu_shares": comparison.sides[name].cpu_shares} for name in (a, b)}
         if comparison.profiled in (a, b):
             note = f"{note}; PROFILED ({comparison.profiled}): not a valid measurement".lstrip("; ")
         self.target(key, comparison.ratio(a, b), comparison.load(), note, sides)
