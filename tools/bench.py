@@ -85,21 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "bench"), help="output directory")
     parser.add_argument("--no-stocaching", action="store_true", help="skip the stocaching rows (no venv)")
-    parser.add_argument("--profile", default="", metavar="GROUP:SIDE",
-                        help="run one side's measured rounds under cProfile (e.g. tabular:loader, dict:cached; side "
-                             "names are the keys in results.json's targets) and write OUT/profile-GROUP-SIDE.txt; "
-                             "that side's times, and ratios using them, are then not valid")
+    parser.add_argument("--profile", default="", metavar="GROUP:SIDE,...",
+                        help="run these sides' measured rounds under cProfile (e.g. tabular:loader,dict:cached; side "
+                             "names are the keys of 'sides' in results.json's runs) and write "
+                             "OUT/profile-GROUP-SIDE.txt each; their times, and ratios using them, are then not valid")
     args = parser.parse_args(argv)
     groups = [g for g in args.only.split(",") if g] or list(GROUPS)
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
         parser.error(f"unknown group(s) {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
     groups = [g for g in GROUPS if g in groups]
-    if args.profile:
-        group, _, side = args.profile.partition(":")
+    profiled = set()
+    for item in filter(None, args.profile.split(",")):
+        group, _, side = item.partition(":")
         if group not in GROUPS or not side:
-            parser.error(f"--profile takes GROUP:SIDE with GROUP one of {', '.join(GROUPS)}, got {args.profile!r}")
-        set_profile(group, side, args.out)
+            parser.error(f"--profile takes GROUP:SIDE,... with GROUP one of {', '.join(GROUPS)}, got {item!r}")
+        profiled.add((group, side))
+    set_profile(profiled, args.out)
     if args.repeat < 1 or (args.rounds is not None and args.rounds < 1) or args.scale <= 0 or args.batch_size < 1:
         parser.error("--repeat, --rounds and --batch-size must be at least 1, --scale positive")
     cfg = Config(batch=args.batch_size, quick=args.quick, scale=args.scale,

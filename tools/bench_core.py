@@ -103,7 +103,7 @@ class Comparison:
 
     sides: dict[str, Measured]
     loads: list[tuple[float, float, float]]
-    profiled: str | None = None  # a side run under cProfile (--profile): its times are inflated
+    profiled: str | None = None  # sides run under cProfile (--profile): their times are inflated
 
     def rate(self, name: str) -> float:
         """Best units per second of side ``name``."""
@@ -138,23 +138,23 @@ def interleave(sides: Sequence[Side], rounds: int, *, warmup: int = 1, min_time:
             _, seconds, _ = _measure(side, 1)
             if side.autorange and min_time > 0:
                 measured[side.name].reps = max(1, math.ceil(min_time / max(seconds, 1e-9)))
-    profiler = next((cProfile.Profile() for side in sides if _profiling(side.name)), None)
+    profilers = {side.name: cProfile.Profile() for side in sides if _profiling(side.name)}
     loads = [os.getloadavg()]
     for _ in range(rounds):
         for side in sides:
             gc.collect()
-            on = profiler is not None and _profiling(side.name)
-            if on:
-                profiler.enable()  # type: ignore[union-attr]
+            profiler = profilers.get(side.name)
+            if profiler is not None:
+                profiler.enable()
             count, seconds, cpu_share = _measure(side, measured[side.name].reps)
+            if profiler is not None:
+                profiler.disable()
             measured[side.name].rounds.append((count, seconds))
             measured[side.name].cpu_shares.append(cpu_share)
-            if on:
-                profiler.disable()  # type: ignore[union-attr]
         loads.append(os.getloadavg())
-    profiled = next((side.name for side in sides if _profiling(side.name)), None)
-    if profiler is not None and profiled is not None:
-        _write_profile(profiler, profiled)
+    for name, profiler in profilers.items():
+        _write_profile(profiler, name)
+    profiled = ", ".join(profilers) or None
     return Comparison(measured, loads, profiled)
 
 
@@ -179,14 +179,15 @@ def _measure(side: Side, reps: int) -> tuple[float, float, float | None]:
     return count, seconds, round((time.process_time() - cpu) / seconds, 3) if seconds > 0 else None
 
 
-# --profile GROUP:SIDE (tools/bench.py): which side to profile, in which group, and where the stats go. The group
-# running now is set by the orchestration (``set_group``), so the groups need not pass it to every comparison.
-_profile: dict[str, str] = {"group": "", "side": "", "out": ""}
+# --profile GROUP:SIDE,... (tools/bench.py): which sides to profile, in which groups, and where the stats go. The
+# group running now is set by the orchestration (``set_group``), so the groups need not pass it to every comparison.
+_profile: dict[str, Any] = {"sides": set(), "out": ""}
 _group = [""]
 
 
-def set_profile(group: str, side: str, out: str) -> None:
-    _profile.update(group=group, side=side, out=out)
+def set_profile(sides: set[tuple[str, str]], out: str) -> None:
+    """Profile these ``(group, side)`` pairs; write the stats under ``out``."""
+    _profile.update(sides=set(sides), out=out)
 
 
 def set_group(group: str) -> None:
@@ -194,7 +195,7 @@ def set_group(group: str) -> None:
 
 
 def _profiling(side: str) -> bool:
-    return bool(_profile["side"]) and _profile["group"] == _group[0] and _profile["side"] == side
+    return (_group[0], side) in _profile["sides"]
 
 
 def _write_profile(profiler: cProfile.Profile, side: str) -> None:
@@ -255,7 +256,7 @@ class Results:
         """Target ``key`` as ``comparison.ratio(a, b)``, keeping both sides' rounds."""
         sides = {name: {"rates": comparison.sides[name].rates, "reps": comparison.sides[name].reps,
                         "cpu_shares": comparison.sides[name].cpu_shares} for name in (a, b)}
-        if comparison.profiled in (a, b):
+        if comparison.profiled and ({a, b} & set(comparison.profiled.split(", "))):
             note = f"{note}; PROFILED ({comparison.profiled}): not a valid measurement".lstrip("; ")
         self.target(key, comparison.ratio(a, b), comparison.load(), note, sides)
 

@@ -151,25 +151,26 @@ def per_sample(w: FixedWorkload, cfg: Config, results: Results, ds: MmapCachedDa
         for i in order:
             ds[i]
 
-    cmp = interleave([Side("bare", bare, len(order)), Side("cached", cached, len(order))], cfg.rounds,
+    cmp = interleave([Side("bare_copy", bare, len(order)), Side("getitem", cached, len(order))], cfg.rounds,
                      min_time=cfg.min_time)
-    results.sides(w.name, cmp, {"bare": f"{w.title}: bare (from_numpy(images[i].copy()), int(labels[i]))",
-                                "cached": f"{w.title}: mmapcache ds[i]"}, note="shuffled single-sample reads")
-    results.compared(f"{w.name}.getitem_vs_bare", cmp, "cached", "bare")
+    results.sides(w.name, cmp, {"bare_copy": f"{w.title}: bare (from_numpy(images[i].copy()), int(labels[i]))",
+                                "getitem": f"{w.title}: mmapcache ds[i]"}, note="shuffled single-sample reads")
+    results.compared(f"{w.name}.getitem_vs_bare", cmp, "getitem", "bare_copy")
 
 
 def workers(w: FixedWorkload, cfg: Config, results: Results, ds: MmapCachedDataset, baseline: Any) -> None:
     """The same loaders with two persistent workers (no target: on 2 cores the workers share them with us)."""
     kw: dict[str, Any] = {"batch_size": cfg.batch, "shuffle": True, "num_workers": 2, "persistent_workers": True}
-    loaders = {"baseline": DataLoader(baseline, **kw), "getitems": DataLoader(ds, **kw), "loader": ds.loader(**kw)}
+    loaders = {"baseline_nw2": DataLoader(baseline, **kw), "getitems_nw2": DataLoader(ds, **kw),
+               "loader_nw2": ds.loader(**kw)}
     n = len(ds)
     # No target here, so fewer rounds; the warm-up round starts the workers.
     cmp = interleave([Side(name, epoch(loader), n) for name, loader in loaders.items()], min(cfg.rounds, 3),
                      min_time=cfg.min_time)
     del loaders
-    results.sides(w.name, cmp, {"baseline": f"{w.title}: {w.baseline}, nw=2",
-                                "getitems": f"{w.title}: mmapcache DataLoader(ds) via __getitems__, nw=2",
-                                "loader": f"{w.title}: mmapcache ds.loader(), nw=2"})
+    results.sides(w.name, cmp, {"baseline_nw2": f"{w.title}: {w.baseline}, nw=2",
+                                "getitems_nw2": f"{w.title}: mmapcache DataLoader(ds) via __getitems__, nw=2",
+                                "loader_nw2": f"{w.title}: mmapcache ds.loader(), nw=2"})
 
 
 def cold(w: FixedWorkload, cfg: Config, results: Results, paths: dict[str, str], tmp: str) -> None:
