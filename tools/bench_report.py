@@ -150,7 +150,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_xscale("log")
     ax.set_yticks(range(len(targets)), [f"{t['target']} ({t['op']} {t['required']})" for t in targets], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("measured / required (required / measured for <= targets): right of 1 passes; bars span the runs")
+    ax.set_xlabel("measured / required (inverted for <= targets): right of 1 passes; whiskers span the runs",
+                  fontsize=8)
     c = result["config"]
     ax.set_title(f"mmapcache targets, {c['repeat']} run(s), batch {c['batch_size']}, "
                  f"{result['machine']['cores']} cores, load at start {result['machine']['load_avg_at_start'][0]}",
