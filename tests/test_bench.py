@@ -1,49 +1,73 @@
-"""Smoke test of ``tools/bench.py``: a quick run completes and reports every row with a positive number.
+"""Smoke test of ``tools/bench.py``: a quick run completes and reports every target and every row.
 
-This checks that the benchmark runs and that its outputs are complete; it asserts nothing about speed.
+It asserts nothing about speed (benchmarks are tools, not timed assertions), but it does check what makes the
+numbers usable: every target the project declares (``tools/bench_targets.py``) comes out as a number with its
+verdict and the load average it was measured under, and from both sides of an interleaved measurement.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-# Every row a run must report (the stocaching rows are skipped here: they need their own numpy<2 venv).
-EXPECTED = {
-    "raw": 2, "baselines": 2, "stocaching": 2, "mmapcache": 6, "per_sample": 2, "cold": 2, "memory": 2, "build": 2,
-    "lock": 3, "features": 6,
+from bench_targets import TARGETS  # noqa: E402
+
+# Rows per group of a quick run (the stocaching rows are skipped here: they need their own numpy<2 venv). A group
+# losing rows, or a target, is a change to review, not noise.
+EXPECTED_ROWS = {
+    "images12k": 15, "images150k": 6, "tabular": 7, "dict": 7, "tokens": 8, "captions": 5, "stocaching": 2,
+    "memory": 2, "build": 2, "lock": 4, "features": 9,
 }
+EXPECTED_TARGETS = 18
 
 
-def test_quick_run_reports_every_row(tmp_path) -> None:
+def _check_load(load: object) -> None:
+    assert isinstance(load, list) and len(load) == 2, load
+    assert all(isinstance(x, float) and x >= 0 for x in load) and load[0] <= load[1], load
+
+
+def test_quick_run_reports_every_target(tmp_path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--quick", "--n", "2000", "--no-stocaching",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--quick", "--no-stocaching", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     result = json.loads((out / "results.json").read_text())
+    assert result["errors"] == []
+
+    assert len(TARGETS) == EXPECTED_TARGETS
+    targets = {t["id"]: t for t in result["targets"]}
+    assert set(targets) == set(TARGETS)
+    for key, t in targets.items():
+        assert isinstance(t["measured"], float) and math.isfinite(t["measured"]) and t["measured"] > 0, t
+        assert t["pass"] in (True, False) and (t["op"], t["required"]) == (TARGETS[key].op, TARGETS[key].required)
+        assert len(t["loads"]) == 1, t
+        _check_load(t["loads"][0])
+    for t in result["runs"][0]["targets"]:
+        # A timed ratio keeps both sides' rounds: two sides, measured in the same rounds.
+        if t["sides"]:
+            rounds = {len(s["rates"]) for s in t["sides"].values()}
+            assert len(t["sides"]) == 2 and len(rounds) == 1 and min(rounds) >= 1, t
+
     groups: dict[str, int] = {}
     for row in result["rows"]:
         groups[row["group"]] = groups.get(row["group"], 0) + 1
         if row["group"] == "stocaching":
             assert row["status"] == "skipped" and "--no-stocaching" in row["note"], row
             continue
-        assert row["status"] == "ok", row
-        assert isinstance(row["value"], float) and row["value"] > 0, row
-    assert groups == EXPECTED
-    assert len(result["targets"]) == 6
-    for target in result["targets"]:
-        assert target["ratio"] is not None and target["ratio"] > 0, target
-        assert target["pass"] in (True, False), target
-    assert result["machine"]["cores"] >= 1 and result["machine"]["torch"]
+        assert row["status"] == "ok" and isinstance(row["value"], (int, float)) and row["value"] > 0, row
+        _check_load(row["loads"][0])
+    assert groups == EXPECTED_ROWS
+
     text = (out / "results.md").read_text()
-    assert text.count("\n| ") >= sum(EXPECTED.values()) and "| target |" in text
+    assert "| target |" in text and all(t.text in text for t in TARGETS.values())
     try:
         import matplotlib  # noqa: F401 - only the plot needs it (the `bench` extra)
     except ImportError:
@@ -52,3 +76,22 @@ def test_quick_run_reports_every_row(tmp_path) -> None:
         assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     leftovers = [name for name in os.listdir("/dev/shm") if name.startswith("mmapcache-bench-")]
     assert not [name for name in leftovers if name in proc.stdout], "the benchmark left its data in /dev/shm"
+
+
+def test_repeat_reports_each_ratio_spread(tmp_path) -> None:
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--quick", "--repeat", "2", "--scale", "0.5",
+         "--only", "tokens,captions", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    result = json.loads((out / "results.json").read_text())
+    assert len(result["runs"]) == 2 and result["config"]["repeat"] == 2
+    assert {t["id"] for t in result["targets"]} == {k for k, t in TARGETS.items() if t.group in ("tokens", "captions")}
+    for t in result["targets"]:
+        assert len(t["values"]) == 2 and len(t["loads"]) == 2, t
+        assert t["min"] <= t["measured"] <= t["max"], t
+        assert math.isclose(t["spread"], (t["max"] - t["min"]) / t["measured"]), t
+        assert 0 <= t["passes"] <= 2, t
+    assert "spread" in (out / "results.md").read_text()

@@ -18,47 +18,96 @@ from torch.utils.data import Dataset
 from mmapcache import MmapCachedDataset
 
 
-class ArraySource(Dataset):
-    """``(uint8 image tensor, int label)`` read from an ``.npy`` file of images (memory-mapped) and labels.
+class FieldSource(Dataset):
+    """Samples read from one ``.npy`` file per field (memory-mapped, opened lazily in each process).
+
+    A field of shape ``(N,)`` is a python int; others are a tensor copy of the row. ``form`` "tuple" gives the fields
+    in order (``(image, label)``), "dict" a dict by field name.
 
     Args:
-        images: path of an ``(N, *shape)`` uint8 ``.npy`` file.
-        labels: path of an ``(N,)`` int64 ``.npy`` file.
-        delay: seconds slept per sample (a stand-in for decoding or reading from a slow disk).
+        paths: field name -> path of an ``(N, *shape)`` ``.npy`` file.
+        form: "tuple" or "dict".
+        delay: seconds of busy CPU per sample (a stand-in for decoding; see ``spin``).
+        n: serve only the first ``n`` samples (default all).
     """
 
-    def __init__(self, images: str, labels: str, delay: float = 0.0) -> None:
-        self.images_path, self.labels_path, self.delay = images, labels, delay
-        self._images: np.ndarray | None = None
-        self._labels: np.ndarray | None = None
-        self.n = int(np.load(labels, mmap_mode="r").shape[0])
+    def __init__(self, paths: dict[str, str], form: str = "tuple", delay: float = 0.0, n: int | None = None) -> None:
+        if form not in ("tuple", "dict"):
+            raise ValueError(f"form must be 'tuple' or 'dict', got {form!r}")
+        self.paths, self.form, self.delay = dict(paths), form, delay
+        total = min(int(np.load(path, mmap_mode="r").shape[0]) for path in self.paths.values())
+        self.n = total if n is None else min(n, total)
+        self._arrays: dict[str, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, index: int) -> Any:
-        if self._images is None:
-            self._images = np.load(self.images_path, mmap_mode="r")
-            self._labels = np.load(self.labels_path, mmap_mode="r")
+        arrays = self._arrays
+        if arrays is None:
+            arrays = self._arrays = {name: np.load(path, mmap_mode="r") for name, path in self.paths.items()}
         if self.delay:
-            _pause(self.delay)
-        return torch.from_numpy(np.array(self._images[index])), int(self._labels[index])  # type: ignore[index]
+            spin(self.delay)
+        if not 0 <= index < self.n:
+            raise IndexError(f"index {index} out of range for {self.n} samples")
+        values = {name: int(a[index]) if a.ndim == 1 else torch.from_numpy(np.array(a[index]))
+                  for name, a in arrays.items()}
+        return tuple(values.values()) if self.form == "tuple" else values
+
+    def touch(self) -> None:
+        """Maps the files and reads every byte once, so that no measured epoch pays this process's first page
+        faults on them."""
+        self._arrays = {name: np.load(path, mmap_mode="r") for name, path in self.paths.items()}
+        for a in self._arrays.values():
+            int(np.asarray(a[:self.n]).view(np.uint8).sum(dtype=np.uint64))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_images": None, "_labels": None}
+        return {**self.__dict__, "_arrays": None}
 
 
-def _pause(seconds: float) -> None:
-    """Sleeps ``seconds`` precisely (time.sleep overshoots 1 ms by ~5-10%: finish with a short spin)."""
+class PackedSource(Dataset):
+    """Variable-length values stored back to back in one ``.npy`` file, with their ``offsets`` (N + 1).
+
+    ``kind`` "tokens": each sample is an int64 tensor of token ids. "captions": ``{"caption": str, "label": int}``
+    (the values are UTF-8 bytes; ``labels`` is then the path of an ``(N,)`` int64 file).
+    """
+
+    def __init__(self, values: str, offsets: str, kind: str, labels: str | None = None) -> None:
+        if kind not in ("tokens", "captions") or (kind == "captions") != (labels is not None):
+            raise ValueError(f"kind must be 'tokens', or 'captions' with labels; got {kind!r}, labels={labels!r}")
+        self.values_path, self.offsets_path, self.kind, self.labels_path = values, offsets, kind, labels
+        self.n = int(np.load(offsets, mmap_mode="r").shape[0]) - 1
+        self._open: tuple[np.ndarray, list[int], np.ndarray | None] | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        if self._open is None:
+            labels = np.load(self.labels_path, mmap_mode="r") if self.labels_path else None
+            self._open = np.load(self.values_path, mmap_mode="r"), np.load(self.offsets_path).tolist(), labels
+        values, offsets, labels = self._open
+        if not 0 <= index < self.n:
+            raise IndexError(f"index {index} out of range for {self.n} samples")
+        part = values[offsets[index]:offsets[index + 1]]
+        if labels is None:
+            return torch.from_numpy(np.array(part))
+        return {"caption": part.tobytes().decode(), "label": int(labels[index])}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_open": None}
+
+
+def spin(seconds: float) -> None:
+    """Keeps the CPU busy for ``seconds`` (a busy-wait on ``time.perf_counter``). A source that sleeps would leave
+    the core free for the cache's own work, which a source that decodes does not: this behaves like decoding."""
     end = time.perf_counter() + seconds
-    if seconds > 2e-4:
-        time.sleep(seconds - 1.5e-4)
     while time.perf_counter() < end:
         pass
 
 
 class Synthetic(Dataset):
-    """``(uint8 image, int label)`` made from the index; ``delay`` seconds of (precise) sleep per sample."""
+    """``(uint8 image, int label)`` made from the index; ``delay`` seconds of busy CPU per sample."""
 
     def __init__(self, n: int, shape: tuple[int, ...] = (3, 32, 32), delay: float = 0.0) -> None:
         self.n, self.shape, self.delay = n, tuple(shape), delay
@@ -68,7 +117,7 @@ class Synthetic(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         if self.delay:
-            _pause(self.delay)
+            spin(self.delay)
         image = np.full(self.shape, index % 251, dtype=np.uint8)
         return torch.from_numpy(image), index % 1000
 
@@ -106,7 +155,7 @@ class Augmented(Dataset):
         return self.n
 
     def __getitem__(self, index: int) -> Any:
-        _pause(self.delay)
+        spin(self.delay)
         shift = int(self._rng.integers(0, 8))
         image = np.full(self.shape, (index + shift) % 251, dtype=np.uint8)
         return torch.from_numpy(image), index % 1000

@@ -1,0 +1,280 @@
+"""The workload groups: each builds its data, its cache and its baselines once, then runs its comparisons.
+
+Every comparison is one ``interleave`` call: the sides a target compares (and the rows shown beside them) run in
+turn, round after round, in this process with ``num_workers=0`` unless a row says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import bench_sources as src
+import numpy as np
+import torch
+from bench_core import Comparison, Config, Results, Side, Timed, interleave, load_now
+from bench_targets import TARGETS
+from bench_workloads import (
+    CAPTIONS_N,
+    CAPTIONS_QUICK_N,
+    IMAGES12K,
+    TOKENS_N,
+    TOKENS_QUICK_N,
+    FixedWorkload,
+    workspace,
+    write_fields,
+    write_packed,
+)
+from torch.utils.data import DataLoader, TensorDataset
+
+from mmapcache import MmapCachedDataset, PadCollate
+
+# Shuffled single-sample reads per measured pass (ds[i] rows).
+PER_SAMPLE = 20000
+
+
+def epoch(loader: Iterable[Any]) -> Callable[[], None]:
+    """One pass over ``loader`` (a warm epoch; the loader and its workers persist between passes)."""
+    def run() -> None:
+        for _ in loader:
+            pass
+    return run
+
+
+def run_fixed(w: FixedWorkload, cfg: Config, results: Results) -> None:
+    """A fixed-shape workload: warm reads against the raw gather and the in-memory baseline, then the cold epoch."""
+    n = cfg.size(w.n, w.quick_n)
+    with workspace(w.name) as tmp:
+        print(f"  data: N={n} samples of {w.sample_bytes():,} bytes in {tmp}", flush=True)
+        paths = write_fields(tmp, w, n)
+        ds = MmapCachedDataset(os.path.join(tmp, "cache"), src.FieldSource(paths, w.form))
+        ds.fill()
+        try:
+            baseline = in_memory(w, paths)
+            warm(w, cfg, results, ds, baseline, n)
+            if w is IMAGES12K:
+                per_sample(w, cfg, results, ds, n)
+                workers(w, cfg, results, ds, baseline)
+            del baseline
+            if w.cold_delay is not None:
+                cold(w, cfg, results, paths, tmp)
+        finally:
+            ds.close()
+
+
+def in_memory(w: FixedWorkload, paths: dict[str, str]) -> Any:
+    """The in-memory baseline: a ``TensorDataset`` of the fields (tuple form) or a list of dicts of tensors."""
+    arrays = {name: torch.from_numpy(np.load(path)) for name, path in paths.items()}  # private copies
+    if w.form == "tuple":
+        return TensorDataset(*arrays.values())
+    n = len(next(iter(arrays.values())))
+    return [{name: int(a[i]) if a.ndim == 1 else a[i] for name, a in arrays.items()} for i in range(n)]
+
+
+def raw_gather(ds: MmapCachedDataset, n: int, batch: int, buffers: int = 1) -> Callable[[], None]:
+    """An epoch of the raw limit: per batch, the sorted shuffled rows taken with ``np.take`` per field into
+    preallocated buffers, straight from the cache's own ``.npy`` memmaps.
+
+    With ``buffers=2`` the batches alternate between two sets of buffers, as any loader's must while the loop
+    still holds the previous batch: a batch of several MB then no longer stays in the CPU's caches between uses.
+    """
+    arrays = [np.asarray(np.load(os.path.join(ds.path, spec["file"]), mmap_mode="r"))[:n]
+              for spec in ds._store.meta["fields"]]
+    sets = [[np.empty((batch, *a.shape[1:]), a.dtype) for a in arrays] for _ in range(buffers)]
+    rng = np.random.default_rng(1)
+
+    def run() -> None:
+        perm = rng.permutation(n)
+        for j, k in enumerate(range(0, n, batch)):
+            rows = np.sort(perm[k:k + batch])
+            for a, out in zip(arrays, sets[j % buffers]):
+                np.take(a, rows, axis=0, out=out[:len(rows)], mode="clip")
+    return run
+
+
+def warm(w: FixedWorkload, cfg: Config, results: Results, ds: MmapCachedDataset, baseline: Any, n: int) -> None:
+    b = cfg.batch
+    sides = [Side("raw", raw_gather(ds, n, b), n),
+             Side("raw2", raw_gather(ds, n, b, buffers=2), n),
+             Side("loader", epoch(ds.loader(batch_size=b, shuffle=True)), n),
+             Side("baseline", epoch(DataLoader(baseline, batch_size=b, shuffle=True)), n)]
+    labels = {"raw": f"{w.title}: raw sorted np.take gather, preallocated buffers",
+              "raw2": f"{w.title}: the same raw gather alternating between 2 buffer sets",
+              "loader": f"{w.title}: mmapcache ds.loader(), nw=0",
+              "baseline": f"{w.title}: {w.baseline}, nw=0",
+              "getitems": f"{w.title}: mmapcache DataLoader(ds) via __getitems__, nw=0",
+              "per_sample": f"{w.title}: mmapcache DataLoader(ds) per sample (no __getitems__), nw=0"}
+    if w.getitems:
+        sides.append(Side("getitems", epoch(DataLoader(ds, batch_size=b, shuffle=True)), n))
+    per_sample_ds = src.PerSample(ds.path) if w is IMAGES12K else None
+    if per_sample_ds is not None:
+        sides.append(Side("per_sample", epoch(DataLoader(per_sample_ds, batch_size=b, shuffle=True)), n))
+    try:
+        cmp = interleave(sides, cfg.rounds, min_time=cfg.min_time)
+    finally:
+        if per_sample_ds is not None:
+            per_sample_ds.close()
+    results.sides(w.name, cmp, labels)
+    results.compared(f"{w.name}.loader_vs_raw", cmp, "loader", "raw")
+    info(results, w.name, cmp, "loader", "raw2", f"{w.title}: ds.loader vs raw gather into 2 buffer sets")
+    key = f"{w.name}.loader_vs_baseline"
+    if key in TARGETS:
+        results.compared(key, cmp, "loader", "baseline")
+    else:
+        info(results, w.name, cmp, "loader", "baseline", f"{w.title}: ds.loader vs {w.baseline}")
+    if w.getitems:
+        results.compared(f"{w.name}.getitems_vs_baseline", cmp, "getitems", "baseline")
+
+
+def info(results: Results, group: str, cmp: Comparison, a: str, b: str, name: str) -> None:
+    """A ratio row without a target (same interleaved measurement as the targets beside it)."""
+    results.row(group, f"ratio {name}", cmp.ratio(a, b), "x", "interleaved, from best rounds", cmp.load())
+
+
+def per_sample(w: FixedWorkload, cfg: Config, results: Results, ds: MmapCachedDataset, n: int) -> None:
+    """``ds[i]`` against the bare copy it replaces, in the same shuffled order."""
+    order = np.random.default_rng(2).permutation(n)[:PER_SAMPLE].tolist()
+    fields = ds._store.meta["fields"]
+    images = np.asarray(np.load(os.path.join(ds.path, fields[0]["file"]), mmap_mode="r"))
+    labels = np.asarray(np.load(os.path.join(ds.path, fields[1]["file"]), mmap_mode="r"))
+    from_numpy = torch.from_numpy
+
+    def bare() -> None:
+        for i in order:
+            from_numpy(images[i].copy()), int(labels[i])
+
+    def cached() -> None:
+        for i in order:
+            ds[i]
+
+    cmp = interleave([Side("bare_copy", bare, len(order)), Side("getitem", cached, len(order))], cfg.rounds,
+                     min_time=cfg.min_time)
+    results.sides(w.name, cmp, {"bare_copy": f"{w.title}: bare (from_numpy(images[i].copy()), int(labels[i]))",
+                                "getitem": f"{w.title}: mmapcache ds[i]"}, note="shuffled single-sample reads")
+    results.compared(f"{w.name}.getitem_vs_bare", cmp, "getitem", "bare_copy")
+
+
+def workers(w: FixedWorkload, cfg: Config, results: Results, ds: MmapCachedDataset, baseline: Any) -> None:
+    """The same loaders with two persistent workers (no target: on 2 cores the workers share them with us)."""
+    kw: dict[str, Any] = {"batch_size": cfg.batch, "shuffle": True, "num_workers": 2, "persistent_workers": True}
+    loaders = {"baseline_nw2": DataLoader(baseline, **kw), "getitems_nw2": DataLoader(ds, **kw),
+               "loader_nw2": ds.loader(**kw)}
+    n = len(ds)
+    # No target here, so fewer rounds; the warm-up round starts the workers.
+    cmp = interleave([Side(name, epoch(loader), n) for name, loader in loaders.items()], min(cfg.rounds, 3),
+                     min_time=cfg.min_time)
+    del loaders
+    results.sides(w.name, cmp, {"baseline_nw2": f"{w.title}: {w.baseline}, nw=2",
+                                "getitems_nw2": f"{w.title}: mmapcache DataLoader(ds) via __getitems__, nw=2",
+                                "loader_nw2": f"{w.title}: mmapcache ds.loader(), nw=2"})
+
+
+def cold(w: FixedWorkload, cfg: Config, results: Results, paths: dict[str, str], tmp: str) -> None:
+    """One shuffled epoch over the bare source against creating a cache and running its first epoch, in turn."""
+    count = cfg.size(w.cold_n, w.cold_quick_n)
+    source = src.FieldSource(paths, w.form, delay=w.cold_delay or 0.0, n=count)
+    source.touch()  # no warm-up round: the first bare epoch would otherwise pay for mapping the files
+    b = cfg.batch
+
+    def bare() -> None:
+        for _ in DataLoader(source, batch_size=b, shuffle=True):
+            pass
+
+    def cached() -> Timed:
+        path = os.path.join(tmp, f"cold-{uuid.uuid4().hex[:8]}")
+        start = time.perf_counter()
+        ds = MmapCachedDataset(path, source)
+        for _ in DataLoader(ds, batch_size=b, shuffle=True):
+            pass
+        seconds = time.perf_counter() - start
+        ds.close()
+        shutil.rmtree(path)  # not timed
+        return Timed(count, seconds)
+
+    cmp = interleave([Side("bare", bare, count, autorange=False), Side("cached", cached, count, autorange=False)],
+                     cfg.rounds, warmup=0)
+    us = f"{w.cold_delay * 1e6:,.0f} us" if w.cold_delay and w.cold_delay < 1e-3 else "1 ms"
+    results.sides(w.name, cmp, {"bare": f"{w.title}: cold, bare source ({us}/sample busy CPU), one epoch",
+                                "cached": f"{w.title}: cold, new cache + its first epoch (DataLoader(ds))"},
+                  note=f"N={count}, batch {b}, shuffled")
+    # Rate of the bare source over the cached one: the cached epoch's time over the bare one's.
+    results.compared(f"{w.name}.cold", cmp, "bare", "cached", f"N={count}")
+
+
+def run_tokens(cfg: Config, results: Results) -> None:
+    """Ragged token ids: the fused padding loader against a python list of tensors, and the heap's bytes."""
+    n = cfg.size(TOKENS_N, TOKENS_QUICK_N)
+    b = cfg.batch
+    with workspace("tokens") as tmp:
+        paths = write_packed(tmp, "tokens", n)
+        source = src.PackedSource(paths["values"], paths["offsets"], "tokens")
+        ds = MmapCachedDataset(os.path.join(tmp, "cache"), source, ragged=["<sample>"])
+        try:
+            ds.fill()
+            tensors = [source[i] for i in range(n)]
+            pad = PadCollate(0)
+            sides = [Side("loader", epoch(ds.loader(batch_size=b, shuffle=True, collate_fn=pad)), n),
+                     Side("list", epoch(DataLoader(tensors, batch_size=b, shuffle=True, collate_fn=pad)), n),
+                     Side("dataloader", epoch(DataLoader(ds, batch_size=b, shuffle=True, collate_fn=pad)), n)]
+            cmp = interleave(sides, cfg.rounds, min_time=cfg.min_time)
+            results.sides("tokens", cmp, {
+                "loader": "token ids: mmapcache ds.loader(collate_fn=PadCollate(0)), nw=0",
+                "list": "token ids: list of tensors + DataLoader(collate_fn=PadCollate(0)), nw=0",
+                "dataloader": "token ids: mmapcache DataLoader(ds, collate_fn=PadCollate(0)), nw=0"},
+                note=f"N={n}, lengths 16..512")
+            results.compared("tokens.loader_vs_list", cmp, "loader", "list")
+            values = sum(t.numel() * t.element_size() for t in tensors)
+            index = 8 * (2 + 1) * ds._store.rows  # [offset, nbytes, length] per row
+            end, capacity = (int(x) for x in ds._store.heap_counters[0][:2])
+            load = load_now()
+            results.row("tokens", "token ids: the values' own bytes", values, "bytes", f"N={n}", load)
+            results.row("tokens", "token ids: heap end (used bytes)", end, "bytes", "heaps.u64 counter", load)
+            results.row("tokens", "token ids: heap capacity", capacity, "bytes", "heaps.u64 counter", load)
+            results.row("tokens", "token ids: index bytes (offset, nbytes, length per row)", index, "bytes", "", load)
+            results.row("tokens", "ratio token ids: heap capacity + index vs values + index",
+                        (capacity + index) / (values + index), "x", "what the files reserve", load)
+            results.target("tokens.heap_bytes", (end + index) / (values + index), load,
+                           f"heap end {end:,}, capacity {capacity:,}, values {values:,}, index {index:,} bytes")
+        finally:
+            ds.close()
+
+
+def run_captions(cfg: Config, results: Results) -> None:
+    """A str field read through ``ds[i]`` against a python list of the same samples indexed the same way."""
+    n = cfg.size(CAPTIONS_N, CAPTIONS_QUICK_N)
+    b = cfg.batch
+    with workspace("captions") as tmp:
+        paths = write_packed(tmp, "captions", n)
+        source = src.PackedSource(paths["values"], paths["offsets"], "captions", paths["labels"])
+        ds = MmapCachedDataset(os.path.join(tmp, "cache"), source)
+        try:
+            ds.fill()
+            samples = [source[i] for i in range(n)]
+            order = np.random.default_rng(2).permutation(n)[:PER_SAMPLE].tolist()
+
+            def read_ds() -> None:
+                for i in order:
+                    ds[i]
+
+            def read_list() -> None:
+                for i in order:
+                    samples[i]
+
+            sides = [Side("ds", read_ds, len(order)), Side("list", read_list, len(order)),
+                     Side("loader_ds", epoch(DataLoader(ds, batch_size=b, shuffle=True)), n),
+                     Side("loader_list", epoch(DataLoader(samples, batch_size=b, shuffle=True)), n)]
+            cmp = interleave(sides, cfg.rounds, min_time=cfg.min_time)
+            results.sides("captions", cmp, {
+                "ds": "str captions: mmapcache ds[i]", "list": "str captions: list[i]",
+                "loader_ds": "str captions: mmapcache DataLoader(ds), default collate, nw=0",
+                "loader_list": "str captions: DataLoader(list), default collate, nw=0"},
+                note=f"N={n}, 20..200 chars + int label")
+            results.compared("captions.getitem_vs_list", cmp, "ds", "list", "list[i] returns a reference, no copy")
+            info(results, "captions", cmp, "loader_ds", "loader_list",
+                 "str captions: DataLoader(ds) vs DataLoader(list)")
+        finally:
+            ds.close()

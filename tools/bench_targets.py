@@ -1,0 +1,49 @@
+"""The project's benchmark targets (issues 11 and 14 and the earlier ones): what is compared, and how it must come out.
+
+Every ratio of a timing is measured with both sides interleaved in one run (``bench_core.interleave``); "x" below
+is the first side's rate over the second's, unless the text says "time". Kept apart from the code that measures
+them, so the test suite can check that a run reports every one of them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Target(NamedTuple):
+    group: str
+    text: str
+    op: str  # ">=" or "<="
+    required: float
+
+
+TARGETS: dict[str, Target] = {
+    # 12 KB images, 3x64x64 uint8 + int label
+    "images12k.loader_vs_raw": Target("images12k", "12 KB images: ds.loader vs raw sorted gather", ">=", 0.8),
+    "images12k.getitems_vs_baseline": Target(
+        "images12k", "12 KB images: DataLoader(ds) (__getitems__) vs TensorDataset", ">=", 1.3),
+    "images12k.getitem_vs_bare": Target("images12k", "12 KB images: ds[i] vs bare copy out of the memmap", ">=", 0.5),
+    "images12k.cold": Target("images12k", "12 KB images: cold epoch time, new cache vs 1 ms source", "<=", 1.03),
+    # 150 KB images, 3x224x224 uint8 + int label
+    "images150k.loader_vs_raw": Target("images150k", "150 KB images: ds.loader vs raw sorted gather", ">=", 0.85),
+    "images150k.loader_vs_baseline": Target("images150k", "150 KB images: ds.loader vs TensorDataset", ">=", 2.0),
+    "images150k.getitems_vs_baseline": Target(
+        "images150k", "150 KB images: DataLoader(ds) (__getitems__) vs TensorDataset", ">=", 1.0),
+    # tiny tabular rows, 64 float32 + int label
+    "tabular.loader_vs_raw": Target("tabular", "tabular rows: ds.loader vs raw sorted gather", ">=", 0.6),
+    "tabular.loader_vs_baseline": Target("tabular", "tabular rows: ds.loader vs TensorDataset", ">=", 2.0),
+    "tabular.cold": Target("tabular", "tabular rows: cold epoch time, new cache vs 50 us source", "<=", 1.15),
+    # multi-field dict: image 3x96x96 uint8, mask 96x96 uint8, boxes (8, 4) float32, int label (~37 KB)
+    "dict.loader_vs_raw": Target("dict", "37 KB dict: ds.loader vs raw sorted gather", ">=", 0.85),
+    "dict.loader_vs_baseline": Target("dict", "37 KB dict: ds.loader vs list of dicts", ">=", 2.0),
+    "dict.cold": Target("dict", "37 KB dict: cold epoch time, new cache vs 50 us source", "<=", 1.3),
+    # issue 14: ragged token ids and str fields
+    "tokens.loader_vs_list": Target(
+        "tokens", "token ids: ds.loader+PadCollate vs list of tensors+PadCollate", ">=", 1.5),
+    "tokens.heap_bytes": Target(
+        "tokens", "token ids: heap end + index bytes vs values + index bytes", "<=", 1.15),
+    "captions.getitem_vs_list": Target("captions", "str captions: ds[i] vs list[i]", ">=", 1.0),
+    # side groups
+    "memory.pss": Target("memory", "memory: readers' summed PSS growth vs data size", "<=", 1.05),
+    "build.scaling": Target("build", "build: 2 workers vs 1 worker (CPU-bound source)", ">=", 1.8),
+}
