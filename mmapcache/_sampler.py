@@ -81,6 +81,7 @@ class ShareSampler(Sampler[int]):
         if self.per_rank == 0:
             raise ValueError(f"{self.length} samples over {ranks} ranks with drop_last=True leaves none per rank")
         self.epoch = 0
+        self._pool: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order ``__iter__`` yields next; also ``ds.set_epoch(epoch)``."""
@@ -93,7 +94,10 @@ class ShareSampler(Sampler[int]):
         if share is None:
             pool = np.arange(self.length, dtype=np.int64)
         else:
-            pool = share.indices(self.length, share.generation(self.epoch))
+            generation = share.generation(self.epoch)
+            if self._pool[0] != generation:  # drawn once per generation, not per epoch
+                self._pool = (generation, share.indices(self.length, generation))
+            pool = self._pool[1]
         if self.shuffle:
             pool = pool[np.random.default_rng([self.seed, self.epoch]).permutation(len(pool))]
         total = self.per_rank * self.world_size

@@ -251,7 +251,9 @@ class MmapCachedDataset(Dataset):
         reader = self._ensure_open()
         keyed = self._rows.keyed
         rows = self._rows.rows_of(idx, epoch)
-        columns, missing = reader.gather(rows, alloc, idx if keyed else None, self._rows.total)
+        # Every row cacheable (a full cache, or a batch of a node share's sampler): the cache-wide fast check applies.
+        cacheable = self._rows.total or (bool(len(rows)) and int(rows.min()) >= 0)
+        columns, missing = reader.gather(rows, alloc, idx if keyed else None, cacheable)
         if not missing:
             return columns
         computed: list[tuple[int, int, list[Any]]] = []

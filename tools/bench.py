@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench_core import Config, Results, set_group, set_profile
+from bench_modes import run_nodeshare, run_stream
 from bench_reads import run_captions, run_fixed, run_tokens
 from bench_report import machine, summarize, write
 from bench_side import run_build, run_features, run_lock, run_memory, run_stocaching
@@ -41,8 +42,9 @@ GROUPS: dict[str, Callable[[Config, Results], None]] = {
     "dict": functools.partial(run_fixed, DICT),
     "tokens": run_tokens,
     "captions": run_captions,
-    # Stream mode (issue 12) and node shares (issue 13) come here: a function (cfg, results) that builds its data in
-    # a bench_workloads.workspace, measures with bench_core.interleave and records targets declared in bench_targets.
+    # stream mode (issue 12) and node shares (issue 13)
+    "stream": run_stream,
+    "nodeshare": run_nodeshare,
     # side groups
     "stocaching": run_stocaching,
     "memory": run_memory,

@@ -118,7 +118,7 @@ def markdown(result: dict[str, Any]) -> str:
     for t in result["targets"]:
         result_text = ("pass" if t["pass"] else "**miss**") + (f" ({t['passes']}/{k} runs pass)" if k > 1 else "")
         lines.append(f"| {t['target']} | {t['measured']:.3f} | {t['min']:.3f} | {t['max']:.3f} | "
-                     f"{t['spread'] * 100:.1f}% | {t['op']} {t['required']} | {result_text} | {_load(t['loads'])} |")
+                     f"{_percent(t['spread'])} | {t['op']} {t['required']} | {result_text} | {_load(t['loads'])} |")
     lines += ["", "| group | row | value | " + ("min - max | " if k > 1 else "") + "unit | note |",
               "|---|---|---:|" + ("---:|" if k > 1 else "") + "---|---|"]
     for r in result["rows"]:
@@ -161,3 +161,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _percent(spread: float | None) -> str:
+    """A spread as a percentage; "-" when it has none (a median of 0, such as a count of source reads)."""
+    return "-" if spread is None else f"{spread * 100:.1f}%"

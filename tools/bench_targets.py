@@ -43,6 +43,15 @@ TARGETS: dict[str, Target] = {
     "tokens.heap_bytes": Target(
         "tokens", "token ids: heap end + index bytes vs values + index bytes", "<=", 1.15),
     "captions.getitem_vs_list": Target("captions", "str captions: ds[i] vs list[i]", ">=", 1.0),
+    # issue 12: stream mode, a trainer with a fixed step time, two producers, a ring of a quarter of the dataset
+    "stream.wait": Target("stream", "stream: trainer's time waiting for batches / epoch time (worst epoch)", "<=",
+                          0.05),
+    "stream.fresh": Target("stream", "stream: share of served samples that are fresh computations (worst epoch)",
+                           ">=", 1.0),
+    # issue 13: node shares (2 nodes simulated as 2 caches on one machine)
+    "nodeshare.read_rate": Target("nodeshare", "node share: warm read rate per rank vs a full cache of its size",
+                                  ">=", 0.9),
+    "nodeshare.source_reads": Target("nodeshare", "node share: source reads in warm epochs", "<=", 0),
     # side groups
     "memory.pss": Target("memory", "memory: readers' summed PSS growth vs data size", "<=", 1.05),
     "build.scaling": Target("build", "build: 2 workers vs 1 worker (CPU-bound source)", ">=", 1.8),
