@@ -21,10 +21,10 @@ from bench_targets import TARGETS  # noqa: E402
 # Rows per group of a quick run (the stocaching rows are skipped here: they need their own numpy<2 venv). A group
 # losing rows, or a target, is a change to review, not noise.
 EXPECTED_ROWS = {
-    "images12k": 15, "images150k": 6, "tabular": 7, "dict": 7, "tokens": 8, "captions": 5, "stocaching": 2,
-    "memory": 2, "build": 2, "lock": 4, "features": 9,
+    "images12k": 15, "images150k": 6, "tabular": 7, "dict": 7, "tokens": 8, "captions": 5, "stream": 3,
+    "nodeshare": 2, "stocaching": 2, "memory": 2, "build": 2, "lock": 4, "features": 9,
 }
-EXPECTED_TARGETS = 18
+EXPECTED_TARGETS = 22
 
 
 def _check_load(load: object) -> None:
@@ -46,7 +46,9 @@ def test_quick_run_reports_every_target(tmp_path) -> None:
     targets = {t["id"]: t for t in result["targets"]}
     assert set(targets) == set(TARGETS)
     for key, t in targets.items():
-        assert isinstance(t["measured"], float) and math.isfinite(t["measured"]) and t["measured"] > 0, t
+        # A "<=" target may measure exactly 0 (source reads after the first epoch); a ratio is never 0.
+        assert isinstance(t["measured"], float) and math.isfinite(t["measured"]), t
+        assert t["measured"] > 0 or (t["op"] == "<=" and t["measured"] == 0), t
         assert t["pass"] in (True, False) and (t["op"], t["required"]) == (TARGETS[key].op, TARGETS[key].required)
         assert len(t["loads"]) == 1, t
         _check_load(t["loads"][0])

@@ -246,7 +246,7 @@ class Results:
         """Records target ``key`` (declared in ``bench_targets``) as measured, with its verdict and load."""
         spec = TARGETS[key]
         passed = verdict(measured, spec.op, spec.required)
-        self.targets.append({"id": key, "group": spec.group, "target": spec.text, "measured": measured,
+        self.targets.append({"id": key, "group": spec.group, "target": spec.text, "measured": float(measured),
                              "op": spec.op, "required": spec.required, "pass": passed, "load": load, "note": note,
                              "sides": sides or {}})
         print(f"  TARGET {spec.text:<62} {measured:6.3f}  required {spec.op} {spec.required:<5} "

@@ -128,6 +128,9 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_MARGIN_CAP = 10.0  # how far right a "<=" target that measured 0 is drawn
+
+
 def plot(result: dict[str, Any], path: str) -> None:
     """Each target's margin: measured over required (required over measured for "<=" targets), > 1 passes."""
     import matplotlib
@@ -138,7 +141,12 @@ def plot(result: dict[str, Any], path: str) -> None:
     targets = result["targets"]
 
     def margin(t: dict[str, Any], value: float) -> float:
-        return value / t["required"] if t["op"] == ">=" else t["required"] / value
+        # A "<=" target may measure 0 (no source reads, no time waited) or require 0: drawn at the plot's edges.
+        if t["op"] == ">=":
+            return value / t["required"]
+        if value <= 0:
+            return _MARGIN_CAP
+        return t["required"] / value if t["required"] > 0 else 1 / _MARGIN_CAP
 
     mids = [margin(t, t["measured"]) for t in targets]
     lows = [min(margin(t, t["min"]), margin(t, t["max"])) for t in targets]
