@@ -1,5 +1,5 @@
 """The codec of a layout: functions compiled once per cache that turn stored values back into samples and
-batches, and the fast check that turns a source's sample into the values to store.
+batches (the other direction, a source's sample to the values to store, is ``_check``).
 
 ``_layout`` says what a sample's fields are; this module says how to convert between them and what the source
 returned, as fast as Python allows (closures over the known structure, exact type tests, no per-call lookups).
@@ -33,10 +33,8 @@ from ._layout import (
     TEXT_ERRORS,
     Field,
     Layout,
-    encode_metadata,
     find_class,
     fold,
-    number_list,
 )
 from .errors import CacheFormatError, LayoutError
 
@@ -71,9 +69,6 @@ def _getter(numbers: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
         n = numbers[0]
         return lambda leaves: (leaves[n],)
     return lambda leaves: ()
-
-
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _leaf_getter(index: int) -> Callable[[Sequence[Any]], Any]:
@@ -158,13 +153,13 @@ def leaf_converter(field: Field) -> Callable[[np.ndarray], Any]:
     import torch
 
     from_numpy = torch.from_numpy
-    target = _torch_dtype(field)
+    target = torch_dtype(field)
     if from_numpy(np.zeros(0, field.np_dtype)).dtype == target:
         return from_numpy
     return lambda a: from_numpy(a).view(target)
 
 
-def _torch_dtype(field: Field) -> Any:
+def torch_dtype(field: Field) -> Any:
     import torch
 
     target = getattr(torch, field.torch_dtype or "", None)
@@ -188,7 +183,7 @@ def batch_converter(field: Field) -> Callable[[np.ndarray], Any]:
             return [transpose(batch[:, i]) for i in range(batch.shape[1])]
         return transpose
     if field.kind == TENSOR:
-        target = _torch_dtype(field)
+        target = torch_dtype(field)
         if from_numpy(np.zeros(0, field.np_dtype)).dtype != target:
             return lambda a: from_numpy(a).view(target)
     return from_numpy
@@ -252,171 +247,6 @@ def decode_metadata(text: bytes, name: str) -> dict[str, Any]:
         return cls[member]
 
     return {k: decode(v) for k, v in json.loads(text).items()}
-
-
-# --- the fast check on the publish path ------------------------------------------------------------------------
-
-
-class _Slow(Exception):
-    """Internal: the fast check met something unusual; ``Layout.check`` decides (and explains)."""
-
-
-def compile_checker(layout: Layout, path: str = "PATH") -> Callable[[Any, int], list[Any]]:
-    """A function equivalent to ``layout.check`` for well-formed samples, about 10x faster.
-
-    It walks the known structure with exact type tests and compares each leaf's dtype and shape directly; on
-    anything unexpected it defers to ``layout.check``, which raises the explanatory error (or accepts a rarer
-    form, such as a tensor that requires grad). Scalar fields yield Python or numpy scalars, array fields numpy
-    arrays (possibly views of the source's tensors).
-    """
-    walk = _compile_walk(layout.structure)
-    leaf_checks = [_compile_leaf(f) for f in layout.fields if f.kind != JSON]
-    # A tensor subclass's attributes become the value of its metadata field (they follow the structure's fields).
-    described = [(number, f.name) for number, f in enumerate(layout.fields) if f.metadata is not None]
-
-    def check(sample: Any, index: int) -> list[Any]:
-        leaves: list[Any] = []
-        try:
-            walk(sample, leaves)
-            values = [c(x) for c, x in zip(leaf_checks, leaves)]
-        except _Slow:
-            values = None  # decided outside the handler: an error raised there must not chain onto _Slow
-        if values is None:
-            return layout.check(sample, index, path)
-        for number, name in described:
-            leaf = leaves[number]
-            values.append(encode_metadata(dict(vars(leaf)), name, type(leaf)))
-        return values
-
-    return check
-
-
-def _compile_walk(structure: Any) -> Callable[[Any, list[Any]], None]:
-    """A function appending a sample's leaves to a list, raising ``_Slow`` where the sample leaves the structure."""
-    def leaf(number: int) -> Callable[[Any, list[Any]], None]:
-        return lambda obj, out: out.append(obj)
-
-    def sequence(kind: str, parts: list[Callable], children: list[Any]) -> Callable[[Any, list[Any]], None]:
-        container = tuple if kind == "tuple" else list
-        n = len(parts)
-
-        def walk_sequence(obj: Any, out: list[Any]) -> None:
-            if type(obj) is not container or len(obj) != n:
-                raise _Slow
-            for part, value in zip(parts, obj):
-                part(value, out)
-        return walk_sequence
-
-    def mapping(keys: list[str], parts: list[Callable], children: list[Any]) -> Callable[[Any, list[Any]], None]:
-        key_tuple = tuple(keys)
-        if all(c.get("leaf") is not None for c in children):  # a flat dict of leaves: its values, in one step
-            def walk_flat_dict(obj: Any, out: list[Any]) -> None:
-                if type(obj) is not dict or tuple(obj) != key_tuple:
-                    raise _Slow
-                out.extend(obj.values())
-            return walk_flat_dict
-
-        def walk_dict(obj: Any, out: list[Any]) -> None:
-            if type(obj) is not dict or tuple(obj) != key_tuple:
-                raise _Slow
-            for part, value in zip(parts, obj.values()):
-                part(value, out)
-        return walk_dict
-
-    def record(spec: tuple[str, str, list[str]], parts: list[Callable],
-               children: list[Any]) -> Callable[[Any, list[Any]], None]:
-        names = tuple(spec[2])
-
-        def walk_namedtuple(obj: Any, out: list[Any]) -> None:
-            if getattr(type(obj), "_fields", None) != names:
-                raise _Slow
-            for part, value in zip(parts, obj):
-                part(value, out)
-        return walk_namedtuple
-
-    return fold(structure, leaf=leaf, sequence=sequence, mapping=mapping, record=record)
-
-
-def _compile_leaf(field: Field) -> Callable[[Any], Any]:
-    shape_ok = field.fits
-    if field.kind in (STR, BYTES, NPSTR, NPBYTES):
-        expected_type: type = {STR: str, BYTES: bytes, NPSTR: np.str_, NPBYTES: np.bytes_}[field.kind]
-        text = field.kind in (STR, NPSTR)
-
-        def check_text(x: Any) -> Any:
-            found = type(x)  # compared apart from x, so type checkers keep x as Any
-            if found is not expected_type:
-                raise _Slow
-            data: Any = x.encode("utf-8", TEXT_ERRORS) if text else x
-            return np.frombuffer(data, np.uint8)
-        return check_text
-    if field.kind == PYLIST:
-        list_dtype = field.np_dtype
-
-        def check_list(x: Any) -> Any:
-            array = number_list(x) if type(x) is list and x else None
-            if array is None or array.dtype != list_dtype or not shape_ok(array.shape):
-                raise _Slow
-            return array
-        return check_list
-
-    if field.kind == INT:
-        def check_int(x: Any) -> Any:
-            if type(x) is not int or not _INT64_MIN <= x <= _INT64_MAX:
-                raise _Slow
-            return x
-        return check_int
-    if field.kind in (FLOAT, BOOL):
-        expected = float if field.kind == FLOAT else bool
-
-        def check_scalar(x: Any) -> Any:
-            if type(x) is not expected:
-                raise _Slow
-            return x
-        return check_scalar
-    dtype = field.np_dtype
-    if field.kind == NPSCALAR:
-        def check_npscalar(x: Any) -> Any:
-            if not isinstance(x, np.generic) or x.dtype != dtype:
-                raise _Slow
-            return x
-        return check_npscalar
-    if field.kind == NDARRAY:
-        def check_ndarray(x: Any) -> Any:
-            if type(x) is not np.ndarray or x.dtype != dtype or not shape_ok(x.shape):
-                raise _Slow
-            return x
-        return check_ndarray
-    import torch
-
-    tensor_type: type = torch.Tensor
-    target = _torch_dtype(field)
-    if field.tensor_class is not None:
-        found = find_class(*field.tensor_class)
-        tensor_type = found if isinstance(found, type) else type(None)  # unknown: the slow path explains
-    # Types numpy lacks (bfloat16, complex32, float8) are stored as the unsigned int of their width.
-    raw = getattr(torch, "uint" + str(8 * dtype.itemsize)) if field.torch_dtype and \
-        torch.from_numpy(np.zeros(0, dtype)).dtype != target else None
-
-    plain = torch.Tensor
-    subclass = field.tensor_class is not None
-    fixed_shape = None if field.ragged or field.variable else field.shape
-
-    def check_tensor(x: Any) -> Any:
-        found = type(x)  # compared apart from x, so type checkers keep x as Any
-        if subclass and found is tensor_type:
-            x = x.as_subclass(plain)
-        elif found is not tensor_type or subclass:
-            raise _Slow
-        if x.dtype != target or (x.shape != fixed_shape if fixed_shape is not None else not shape_ok(tuple(x.shape))):
-            raise _Slow
-        try:
-            # numpy() itself refuses what the cache must not take as is: a tensor that requires grad, is on another
-            # device, or has its conjugate or negative bit set; the slow path then explains or converts.
-            return (x.view(raw) if raw is not None else x).numpy()
-        except (RuntimeError, TypeError):
-            raise _Slow from None
-    return check_tensor
 
 
 def differing_field(layout: Layout, stored: list[Any], fresh: list[Any]) -> str | None:

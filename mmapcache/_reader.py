@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from . import _gather
+from ._check import compile_batch_filler, compile_checker
 from ._codec import (
     batch_builder,
     batch_converter,
-    compile_checker,
     leaf_converter,
     sample_builder,
     subclass_wrapper,
@@ -77,6 +77,8 @@ class RowReader:
         self.wrap = subclass_wrapper(layout)
         self.build = sample_builder(layout.structure)
         self.check = compile_checker(layout, store.path)
+        # A batch of misses checked and written into the batch's columns at once (fixed plain fields only).
+        self.fill_batch = compile_batch_filler(layout) if not self.ragged and not self.variable else None
         self.build_batch = batch_builder(layout.structure)
         self._readers = [self._field_reader(n) for n in range(len(self.fields))]
         # Closures over the maps, never over self: a cycle through self would keep the maps (and the file

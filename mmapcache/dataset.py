@@ -256,10 +256,12 @@ class MmapCachedDataset(Dataset):
         columns, missing = reader.gather(rows, alloc, idx if keyed else None, cacheable)
         if not missing:
             return columns
-        computed: list[tuple[int, int, list[Any]]] = []
-        filled = reader.state.filled
+        computed: list[tuple[int, int, list[Any] | None]] = []
         indices, row_list = idx.tolist(), rows.tolist()
         try:
+            if reader.fill_batch is not None and self.dataset is not None and len(missing) > 1:
+                missing = self._compute_together(reader, idx, rows, columns, missing, computed)
+            filled = reader.state.filled
             for k in missing:
                 index, row = indices[k], row_list[k]
                 # A row that was filled but rewritten during the gather: read it again.
@@ -278,9 +280,54 @@ class MmapCachedDataset(Dataset):
                 self._publish_rows(rows, columns, computed)
         return columns
 
-    def _publish_rows(self, rows: np.ndarray, columns: list[Any], computed: list[tuple[int, int, list[Any]]]) -> None:
+    def _compute_together(self, reader: RowReader, idx: np.ndarray, rows: np.ndarray, columns: list[np.ndarray],
+                          missing: list[int], computed: list[tuple[int, int, list[Any] | None]]) -> list[int]:
+        """Computes the misses whose rows are still empty, checks them together and writes them into the batch
+        ``columns`` (``RowReader.fill_batch``: one stack per field), adding the cacheable ones to ``computed``.
+        When the batch check declines a sample, every computed sample is checked (or refused) one by one instead.
+        Returns the positions left to the per-sample path: rows filled since the gather, to be read again."""
+        fill = reader.fill_batch
+        assert fill is not None  # the caller's condition
+        positions = np.array(missing, np.int64)
+        targets = rows[positions]
+        cacheable = targets >= 0
+        refilled = cacheable & reader.state.filled_rows(np.where(cacheable, targets, 0))
+        todo = positions[~refilled]
+        if not len(todo):
+            return missing
+        samples: list[Any] = []
+        try:
+            for index in idx[todo].tolist():
+                samples.append(self._fetch(index))  # noqa: PERF401 - on a failure, the ones before it count
+        except BaseException:
+            # The samples computed before the failing one are kept (checked and stored one by one).
+            self._check_each(reader, idx, rows, columns, todo[:len(samples)].tolist(), samples, computed)
+            raise
+        whole = len(todo) == len(idx)
+        if fill(samples, columns, None if whole else todo) and not (
+                self.check_finite and not _all_finite(columns, None if whole else todo)):
+            keep = todo[cacheable[~refilled]]
+            computed.extend((k, index, None) for k, index in zip(keep.tolist(), idx[keep].tolist()))
+        else:
+            self._check_each(reader, idx, rows, columns, todo.tolist(), samples, computed)
+        return positions[refilled].tolist()
+
+    def _check_each(self, reader: RowReader, idx: np.ndarray, rows: np.ndarray, columns: list[np.ndarray],
+                    todo: list[int], samples: list[Any], computed: list[tuple[int, int, list[Any] | None]]) -> None:
+        """Checks computed samples one by one (refusing a bad one with its index), writing each into the columns."""
+        for k, sample in zip(todo, samples):
+            index = int(idx[k])
+            values = self._checked(reader, sample, index)
+            if rows[k] >= 0:
+                computed.append((k, index, values))
+            for column, value in zip(columns, values):
+                column[k] = value
+
+    def _publish_rows(self, rows: np.ndarray, columns: list[Any],
+                      computed: list[tuple[int, int, list[Any] | None]]) -> None:
         """Stores a batch's computed misses: ``computed`` holds ``(position, index, values)``, and the batch
-        ``columns`` already hold the values (fixed layouts store from them, each step vectorised)."""
+        ``columns`` already hold the values (fixed layouts store from them, each step vectorised; their values may
+        be None, the columns having been filled by ``RowReader.fill_batch``)."""
         if not self._store.writable:
             _warn_read_only(self.path)
             return
@@ -294,9 +341,11 @@ class MmapCachedDataset(Dataset):
             self._store.state.publish_rows(rows[positions], keys,
                                            lambda todo: reader.write_rows(rows, columns, positions[todo]))
             return
-        self._store.state.publish_many(
-            [(int(rows[k]), index, functools.partial(reader.write, int(rows[k]), values))
-             for k, index, values in computed])
+        writes: list[tuple[int, int, Callable[[bool], None]]] = []
+        for k, index, values in computed:
+            assert values is not None  # only fixed layouts leave the values in the columns alone
+            writes.append((int(rows[k]), index, functools.partial(reader.write, int(rows[k]), values)))
+        self._store.state.publish_many(writes)
 
     # --- misses ------------------------------------------------------------------------------------------------
 
@@ -654,6 +703,12 @@ def _close_store(store: Store, delete_on_close: bool, ring: Ring | None = None) 
 
 
 _warned_read_only: set[str] = set()
+
+
+def _all_finite(columns: list[np.ndarray], positions: np.ndarray | None) -> bool:
+    """Whether the floating-point columns hold no NaN or infinity at ``positions`` (None: anywhere)."""
+    return all(np.isfinite(column if positions is None else column[positions]).all()
+               for column in columns if column.dtype.kind in "fc")
 
 
 def _warn_read_only(path: str) -> None:

@@ -1,0 +1,168 @@
+"""A batch's misses computed and checked together (``RowReader.fill_batch``): the exact bytes and order a
+``DataLoader`` over the source returns, and, whenever one sample is unusual, the per-sample check's answer
+(accepted, converted or refused naming its index), with the samples computed before a failure kept."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from mmapcache import MmapCachedDataset
+from mmapcache.errors import LayoutError
+
+N = 50
+
+
+class Mixed(Dataset):
+    """Every plain fixed-size kind in one dict: tensors (one bfloat16), an array, numpy and Python scalars."""
+
+    def __init__(self, n: int = N, odd: dict[int, tuple[str, object]] | None = None) -> None:
+        self.n, self.odd, self.calls = n, odd or {}, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        self.calls += 1
+        g = torch.Generator().manual_seed(i)
+        sample: dict[str, object] = {
+            "image": torch.randint(0, 256, (3, 5, 4), generator=g, dtype=torch.uint8),
+            "x": torch.randn(6, generator=g),
+            "half": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+            "mask": np.arange(8, dtype=np.int16).reshape(2, 4) * i,
+            "weight": np.float32(i / 7),
+            "label": i * 1_000_003,
+            "score": i / 3,
+            "flag": i % 2 == 0,
+        }
+        if i in self.odd:
+            key, value = self.odd[i]
+            if isinstance(value, Exception):
+                raise value
+            sample[key] = value
+        return sample
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
+            (a.view(torch.int16) == b.view(torch.int16)).all() if a.dtype == torch.bfloat16 else torch.equal(a, b))
+    if isinstance(a, np.ndarray):
+        return type(b) is np.ndarray and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _epoch(data: Dataset, seed: int, batch_size: int = 8) -> list[object]:
+    return list(DataLoader(data, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed)))
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_cold_batches_are_the_sources_bytes_in_its_order(cache_path: str, partial: bool) -> None:
+    source = Mixed()
+    # A partial cache: some positions of a batch are stored, the others only pass through.
+    options = {"cache_indices": range(0, N, 3)} if partial else {}
+    with MmapCachedDataset(cache_path, source, **options) as ds:  # type: ignore[arg-type]
+        for seed in (0, 1):  # cold, then warm (or still partly cold)
+            expected, got = _epoch(source, seed), _epoch(ds, seed)
+            assert len(got) == len(expected) and all(_equal(a, b) for a, b in zip(expected, got))
+        stored = range(0, N, 3) if partial else range(N)
+        assert ds.num_cached == len(stored) and [i for i in range(N) if ds.is_cached(i)] == list(stored)
+    # Another process's view: every stored row holds its own sample, bit for bit.
+    with MmapCachedDataset(cache_path) as reader:
+        for i in stored:
+            got, want = reader[i], source[i]
+            assert _equal(got["x"], want["x"]) and _equal(got["half"], want["half"]), i
+            assert _equal(got["image"], want["image"]) and np.array_equal(got["mask"], want["mask"]), i
+            assert got["weight"] == want["weight"] and got["label"] == want["label"], i
+            assert got["score"] == want["score"] and got["flag"] is want["flag"], i
+
+
+def test_a_second_warm_epoch_calls_the_source_no_more(cache_path: str) -> None:
+    source = Mixed()
+    with MmapCachedDataset(cache_path, source) as ds:
+        _epoch(ds, 0)
+        calls = source.calls
+        assert calls == N  # each index computed once, in batches
+        _epoch(ds, 1)
+        assert source.calls == calls
+
+
+@pytest.mark.parametrize("value", [
+    torch.arange(6.0, requires_grad=True),  # stored detached
+    torch.arange(6.0).as_strided((6,), (1,)).neg()._neg_view(),  # a negative view: stored resolved
+    torch.arange(12.0)[::2],  # not contiguous
+])
+def test_an_unusual_tensor_in_a_batch_is_stored_as_the_per_sample_check_stores_it(
+        cache_path: str, value: torch.Tensor) -> None:
+    source = Mixed(odd={13: ("x", value)})
+    with MmapCachedDataset(cache_path, source) as ds:
+        got = ds.__getitems__(list(range(8, 24)))
+        expected = value.detach().resolve_neg().contiguous()
+        assert torch.equal(got[13 - 8]["x"], expected) and not got[13 - 8]["x"].requires_grad
+        assert torch.equal(got[12 - 8]["x"], source[12]["x"])
+    with MmapCachedDataset(cache_path) as reader:
+        assert torch.equal(reader[13]["x"], expected) and torch.equal(reader[12]["x"], source[12]["x"])
+
+
+def test_a_conjugate_view_is_stored_resolved(cache_path: str) -> None:
+    class Complex(Dataset):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.tensor([1 + 2j * i, 3 - 1j], dtype=torch.complex64).conj()
+
+    with MmapCachedDataset(cache_path, Complex()) as ds:
+        batch = next(iter(DataLoader(ds, batch_size=16)))
+        expected = torch.stack([torch.tensor([1 - 2j * i, 3 + 1j], dtype=torch.complex64) for i in range(16)])
+        assert torch.equal(batch, expected)
+        with MmapCachedDataset(cache_path) as reader:
+            assert torch.equal(reader[5], expected[5])
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("x", torch.arange(6, dtype=torch.float64), r"sample 13.*'x'"),
+    ("image", torch.zeros(3, 5, 5, dtype=torch.uint8), r"sample 13.*'image'"),
+    ("label", 2**70, r"sample 13.*does not fit in int64"),
+    ("flag", 1, r"sample 13.*'flag'"),
+])
+def test_a_bad_sample_in_a_batch_is_refused_naming_it_and_the_ones_before_are_kept(
+        cache_path: str, key: str, value: object, match: str) -> None:
+    source = Mixed(odd={13: (key, value)})
+    with MmapCachedDataset(cache_path, source) as ds:
+        with pytest.raises(LayoutError, match=match):
+            ds.__getitems__(list(range(8, 24)))
+        cached = {i for i in range(N) if ds.is_cached(i)}
+        # The ones before it are stored; the ones after were computed but never checked: not stored.
+        assert cached == {0, *range(8, 13)}
+
+
+def test_a_source_failing_mid_batch_keeps_the_samples_before_it(cache_path: str) -> None:
+    source = Mixed(odd={13: ("x", OSError("disk on fire"))})
+    with MmapCachedDataset(cache_path, source) as ds:
+        with pytest.raises(OSError, match="disk on fire") as info:
+            ds.__getitems__(list(range(8, 24)))
+        assert any("sample 13" in note for note in getattr(info.value, "__notes__", []))
+        assert {i for i in range(N) if ds.is_cached(i)} == {0, *range(8, 13)}  # 0: the creator's first sample
+        with MmapCachedDataset(cache_path) as reader:
+            for i in range(8, 13):
+                assert _equal(reader[i], ds[i]) and reader[i]["label"] == i * 1_000_003
+
+
+def test_check_finite_refuses_the_sample_with_nan_naming_it(cache_path: str) -> None:
+    source = Mixed(odd={13: ("x", torch.tensor([0.0, math.nan, 1, 2, 3, 4]))})
+    with MmapCachedDataset(cache_path, source, check_finite=True) as ds:
+        with pytest.raises(ValueError, match=r"sample 13, field 'x': contains NaN"):
+            ds.__getitems__(list(range(8, 24)))
+        assert {i for i in range(N) if ds.is_cached(i)} == {0, *range(8, 13)}
+        # Without the NaN sample, a batch is stored as usual.
+        assert len(ds.__getitems__(list(range(24, 40)))) == 16
+        assert {i for i in range(N) if ds.is_cached(i)} == {0, *range(8, 13), *range(24, 40)}
