@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from bench_core import Config, Results, Side, interleave, load_now
+from bench_reads import raw_gather
 from bench_workloads import workspace
 from torch.utils.data import Dataset
 
@@ -135,13 +136,21 @@ def run_nodeshare(cfg: Config, results: Results) -> None:
             for _ in full_loader:
                 pass
 
-        comparison = interleave([Side("share", share_epoch, len(sampler)), Side("full", full_epoch, n // 2)],
-                                cfg.rounds, min_time=cfg.min_time)
+        # The same raw gather over each cache's own rows: what their memory alone gives, no code of ours.
+        sides = [Side("share", share_epoch, len(sampler)), Side("full", full_epoch, n // 2),
+                 Side("raw_share", raw_gather(nodes[0], n // 2, cfg.batch), n // 2),
+                 Side("raw_full", raw_gather(full, n // 2, cfg.batch), n // 2)]
+        comparison = interleave(sides, cfg.rounds, min_time=cfg.min_time)
         warm_reads = source.calls - first_epoch_reads
         results.sides("nodeshare", comparison, {"share": "node share: rank 0 of node 0 of 2, ds.loader+ds.sampler",
-                                                "full": "full cache of the same per-rank size, ds.loader"})
+                                                "full": "full cache of the same per-rank size, ds.loader",
+                                                "raw_share": "node share: raw sorted np.take over its rows",
+                                                "raw_full": "full cache: raw sorted np.take over its rows"})
         results.compared("nodeshare.read_rate", comparison, "share", "full",
                          f"N={n}, 12 KB images, 2 nodes simulated as 2 caches on one machine")
+        results.row("nodeshare", "ratio node share vs full cache, raw np.take over each one's rows",
+                    comparison.ratio("raw_share", "raw_full"), "x", "interleaved, from best rounds",
+                    comparison.load())
         results.target("nodeshare.source_reads", warm_reads, load_now(),
                        f"source reads during {sum(len(m.rounds) + 1 for m in comparison.sides.values())} warm epochs "
                        f"of node 0 (the first epoch read {first_epoch_reads}, once per index)")
