@@ -20,6 +20,7 @@ from ._create import parent_lock
 from ._filled import NoRoom
 from ._heap import UNCACHED
 from ._loader import alloc_shared, make_loader
+from ._misses import Misses, checker, fetcher
 from ._open import Request, Source, identity, open_cache
 from ._options import ON_MISS, STALE_MODES, CreateOptions, check_bool, check_choice, check_optional_str, source_length
 from ._paths import resolve_path
@@ -32,7 +33,7 @@ from ._share import Share, share_option
 from ._store import Store
 from ._stream import Ring, producers_of, read_positions
 from .distributed import DEFAULT_PATIENCE
-from .errors import CacheReadOnlyWarning, SampleNotCachedError, StreamBypassWarning, UsageError, warn
+from .errors import SampleNotCachedError, StreamBypassWarning, UsageError, warn
 
 __all__ = ["MmapCachedDataset"]
 
@@ -173,7 +174,8 @@ class MmapCachedDataset(Dataset):
     def _source(self) -> Source | None:
         if self.dataset is None:
             return None
-        return Source(self._source_length, self._fetch, self._checked, self.deterministic)
+        return Source(self._source_length, fetcher(self.dataset, self.path), checker(self.check_finite),
+                      self.deterministic)
 
     def _bind(self, store: Store) -> None:
         """Makes this process's view of an open, attached store: the warm path's precomputed state."""
@@ -182,6 +184,7 @@ class MmapCachedDataset(Dataset):
         self._rows = RowMap.of(store, variant_choice=self.variant_choice, seed=self.seed)
         self._reader = RowReader(store, recompute_stale=self.stale == "recompute")
         self._ring = Ring(store) if store.meta["mode"] == "stream" else None
+        self._misses = Misses(self.dataset, store, self._rows, self._reader, self.check_finite)
         # The cache's recorded lifetime applies to every user; an opener may also ask for removal of its own.
         delete = self.delete_on_close or bool(store.meta.get("delete_on_close"))
         self._finalizer = weakref.finalize(self, _close_store, store, delete, self._ring)
@@ -201,7 +204,7 @@ class MmapCachedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_store", "_reader", "_rows", "_ring", "_finalizer", "_open_lock", "_epoch_view"):
+        for key in ("_store", "_reader", "_rows", "_ring", "_misses", "_finalizer", "_open_lock", "_epoch_view"):
             state.pop(key, None)
         return state
 
@@ -256,150 +259,16 @@ class MmapCachedDataset(Dataset):
         columns, missing = reader.gather(rows, alloc, idx if keyed else None, cacheable)
         if not missing:
             return columns
-        computed: list[tuple[int, int, list[Any] | None]] = []
-        indices, row_list = idx.tolist(), rows.tolist()
-        try:
-            if reader.fill_batch is not None and self.dataset is not None and len(missing) > 1:
-                missing = self._compute_together(reader, idx, rows, columns, missing, computed)
-            filled = reader.state.filled
-            for k in missing:
-                index, row = indices[k], row_list[k]
-                # A row that was filled but rewritten during the gather: read it again.
-                values = reader.read_values(row, index if keyed else -1) if row >= 0 and filled[row >> 3] >> (
-                    row & 7) & 1 else None
-                if values is None:
-                    self._require_source(index, row)
-                    values = self._checked(reader, self._fetch(index), index)
-                    if row >= 0:
-                        computed.append((k, index, values))
-                for column, value in zip(columns, values):
-                    column[k] = value
-        finally:
-            # One lock acquisition for the whole batch; samples computed before a failing one are kept.
-            if computed:
-                self._publish_rows(rows, columns, computed)
+        self._misses.fill(idx, rows, columns, missing)
         return columns
-
-    def _compute_together(self, reader: RowReader, idx: np.ndarray, rows: np.ndarray, columns: list[np.ndarray],
-                          missing: list[int], computed: list[tuple[int, int, list[Any] | None]]) -> list[int]:
-        """Computes the misses whose rows are still empty, checks them together and writes them into the batch
-        ``columns`` (``RowReader.fill_batch``: one stack per field), adding the cacheable ones to ``computed``.
-        When the batch check declines a sample, every computed sample is checked (or refused) one by one instead.
-        Returns the positions left to the per-sample path: rows filled since the gather, to be read again."""
-        fill = reader.fill_batch
-        assert fill is not None  # the caller's condition
-        positions = np.array(missing, np.int64)
-        targets = rows[positions]
-        cacheable = targets >= 0
-        refilled = cacheable & reader.state.filled_rows(np.where(cacheable, targets, 0))
-        todo = positions[~refilled]
-        if not len(todo):
-            return missing
-        samples: list[Any] = []
-        try:
-            for index in idx[todo].tolist():
-                samples.append(self._fetch(index))  # noqa: PERF401 - on a failure, the ones before it count
-        except BaseException:
-            # The samples computed before the failing one are kept (checked and stored one by one).
-            self._check_each(reader, idx, rows, columns, todo[:len(samples)].tolist(), samples, computed)
-            raise
-        whole = len(todo) == len(idx)
-        if fill(samples, columns, None if whole else todo) and not (
-                self.check_finite and not _all_finite(columns, None if whole else todo)):
-            keep = todo[cacheable[~refilled]]
-            computed.extend((k, index, None) for k, index in zip(keep.tolist(), idx[keep].tolist()))
-        else:
-            self._check_each(reader, idx, rows, columns, todo.tolist(), samples, computed)
-        return positions[refilled].tolist()
-
-    def _check_each(self, reader: RowReader, idx: np.ndarray, rows: np.ndarray, columns: list[np.ndarray],
-                    todo: list[int], samples: list[Any], computed: list[tuple[int, int, list[Any] | None]]) -> None:
-        """Checks computed samples one by one (refusing a bad one with its index), writing each into the columns."""
-        for k, sample in zip(todo, samples):
-            index = int(idx[k])
-            values = self._checked(reader, sample, index)
-            if rows[k] >= 0:
-                computed.append((k, index, values))
-            for column, value in zip(columns, values):
-                column[k] = value
-
-    def _publish_rows(self, rows: np.ndarray, columns: list[Any],
-                      computed: list[tuple[int, int, list[Any] | None]]) -> None:
-        """Stores a batch's computed misses: ``computed`` holds ``(position, index, values)``, and the batch
-        ``columns`` already hold the values (fixed layouts store from them, each step vectorised; their values may
-        be None, the columns having been filled by ``RowReader.fill_batch``)."""
-        if not self._store.writable:
-            _warn_read_only(self.path)
-            return
-        reader = self._ensure_open()
-        if reader.fixed:
-            positions = np.array([k for k, _, _ in computed], np.int64)
-            targets = rows[positions]
-            _, first = np.unique(targets, return_index=True)  # an index asked twice in a batch: stored once
-            positions = positions[np.sort(first)]
-            keys = np.array([index for _, index, _ in computed], np.int64)[np.sort(first)]
-            self._store.state.publish_rows(rows[positions], keys,
-                                           lambda todo: reader.write_rows(rows, columns, positions[todo]))
-            return
-        writes: list[tuple[int, int, Callable[[bool], None]]] = []
-        for k, index, values in computed:
-            assert values is not None  # only fixed layouts leave the values in the columns alone
-            writes.append((int(rows[k]), index, functools.partial(reader.write, int(rows[k]), values)))
-        self._store.state.publish_many(writes)
 
     # --- misses ------------------------------------------------------------------------------------------------
 
-    def _fetch(self, index: int) -> Any:
-        try:
-            return self.dataset[index]
-        except Exception as exc:
-            exc.add_note(f"mmapcache: raised by the source dataset computing sample {index} for the cache at "
-                         f"{self.path}")
-            raise
-
-    def _require_source(self, index: int, row: int) -> None:
-        if self.dataset is not None:
-            return
-        if row < 0:
-            raise SampleNotCachedError(
-                f"sample {index} is not cacheable in the cache at {self.path} (max_bytes/cache_indices chose "
-                f"{self._rows.slots} of {self._length} samples), and it was opened without a source dataset; open "
-                "it with MmapCachedDataset(path, dataset) to compute such samples"
-            )
-        raise SampleNotCachedError(
-            f"sample {index} is not in the cache at {self.path} (opened without a source dataset); fill it with "
-            f"MmapCachedDataset(path, dataset) or `mmapcache build {self.path} --dataset SPEC`"
-        )
-
     def _miss(self, index: int, row: int) -> Any:
-        """Computes a sample that is not readable from the cache, and stores it if it is cacheable. A stored miss is
-        returned as a hit would return it (a plain Tensor, an int...), not as the source's own objects."""
-        self._require_source(index, row)
-        if self._ring is not None:
+        """Computes a sample that is not readable from the cache, and stores it if it is cacheable (``Misses.one``)."""
+        if self._ring is not None and self.dataset is not None:
             _warn_bypass(self.path)
-        sample = self._fetch(index)
-        if row < 0:
-            return sample  # passes through, never stored
-        return self._ensure_open().sample_from_values(self._publish(index, row, sample))
-
-    def _checked(self, reader: RowReader, sample: Any, index: int) -> list[Any]:
-        values = reader.check(sample, index)
-        if self.check_finite:
-            for field, value in zip(reader.fields, values):
-                if np.asarray(value).dtype.kind in "fc" and not np.isfinite(value).all():
-                    raise ValueError(f"sample {index}, field {field.name!r}: contains NaN or infinite values "
-                                     "(check_finite=True); nothing was stored for it")
-        return values
-
-    def _publish(self, index: int, row: int, sample: Any) -> list[Any]:
-        reader = self._ensure_open()
-        values = self._checked(reader, sample, index)
-        if not self._store.writable:
-            _warn_read_only(self.path)
-            return values
-        with contextlib.suppress(NoRoom):  # no heap room: served uncached (counted, and warned once)
-            self._store.state.publish(row, index, functools.partial(reader.write, row, values))
-        return values
+        return self._misses.one(index, row)
 
     # --- public API --------------------------------------------------------------------------------------------
 
@@ -516,7 +385,7 @@ class MmapCachedDataset(Dataset):
             row = self._rows.row(i, self._epoch_view[0])
             # Re-checked (others fill too); publish checks again under the lock.
             if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1 or (keyed and state.keys[row] != i):
-                values = self._checked(reader, self._fetch(i), i)
+                values = self._misses.checked(reader, self._misses.fetch(i), i)
                 with contextlib.suppress(NoRoom):  # no heap room: stays a miss (counted in the heap, warned once)
                     stored += state.publish(row, i, functools.partial(reader.write, row, values))
         return stored
@@ -643,8 +512,10 @@ class MmapCachedDataset(Dataset):
         positions = rank + np.arange(k0, k1, dtype=np.int64) * ranks
         alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
 
+        misses = self._misses
+
         def compute(index: int) -> list[Any]:
-            return self._checked(reader, self._fetch(index), index)
+            return misses.checked(reader, misses.fetch(index), index)
 
         columns, stats = read_positions(ring, reader, epoch, positions, compute, wait=self.on_miss == "wait",
                                         timeout=self.wait_timeout, alloc=alloc)
@@ -664,6 +535,7 @@ class MmapCachedDataset(Dataset):
         if finalizer is not None:
             finalizer()
         self._reader = None
+        self.__dict__.pop("_misses", None)  # it holds the reader's maps; _ensure_open makes a new one
 
     def __enter__(self) -> MmapCachedDataset:
         return self
@@ -700,21 +572,3 @@ def _close_store(store: Store, delete_on_close: bool, ring: Ring | None = None) 
             store.detach(remove_if_last=True)
     else:
         store.detach()
-
-
-_warned_read_only: set[str] = set()
-
-
-def _all_finite(columns: list[np.ndarray], positions: np.ndarray | None) -> bool:
-    """Whether the floating-point columns hold no NaN or infinity at ``positions`` (None: anywhere)."""
-    return all(np.isfinite(column if positions is None else column[positions]).all()
-               for column in columns if column.dtype.kind in "fc")
-
-
-def _warn_read_only(path: str) -> None:
-    if path not in _warned_read_only:
-        _warned_read_only.add(path)
-        warn(
-            f"the cache at {path} is read-only for this process (file permissions or a read-only mount): missing "
-            "samples are computed from the source but not stored", CacheReadOnlyWarning,
-        )
