@@ -203,9 +203,11 @@ def _compile_leaf(field: Field) -> Callable[[Any], Any]:
 
 # --- a batch of misses at once ---------------------------------------------------------------------------------
 
-# Fills a batch's columns at ``positions`` (None: every position, in order) from the samples computed for them;
-# False when any sample needs the per-sample check (what was written then does not matter: it is overwritten).
-BatchFiller = Callable[[list[Any], list[np.ndarray], "np.ndarray | None"], bool]
+# What a batch filler did with a batch (see compile_batch_filler).
+FILLED, UNUSUAL, SHARED, UNWALKED = "filled", "unusual", "shared", "unwalked"
+
+# Fills a batch's columns at ``positions`` (None: every position, in order) from the samples computed for them.
+BatchFiller = Callable[[list[Any], list[np.ndarray], "np.ndarray | None"], str]
 
 
 def compile_batch_filler(layout: Layout) -> BatchFiller | None:
@@ -213,6 +215,11 @@ def compile_batch_filler(layout: Layout) -> BatchFiller | None:
     tensor subclass, ragged or ``max_shapes`` field), a function that checks a batch of a source's samples at once
     and writes their values straight into the batch's columns: one stack per field instead of a conversion and an
     assignment per sample and field. None for other layouts, whose misses take ``compile_checker`` one by one.
+
+    It returns ``FILLED``; or, having written nothing that matters (the caller overwrites it): ``UNUSUAL`` when a
+    sample needs the per-sample check, ``SHARED`` when two samples' arrays start at the same address (a source
+    that refills one output buffer: the earlier samples' values are gone, they must be computed again one at a
+    time), ``UNWALKED`` when a sample does not have the layout's structure (sharing then unchecked).
 
     It accepts exactly what ``compile_checker`` accepts, with one exception: tensors with the conjugate or
     negative bit set are stacked with the bit resolved, as ``Layout.check`` would convert them.
@@ -223,18 +230,43 @@ def compile_batch_filler(layout: Layout) -> BatchFiller | None:
     walk = _compile_walk(layout.structure)
     count = len(fillers)
     by_field = list(enumerate(fillers))
+    arrays = [n for n, f in enumerate(layout.fields) if f.kind in (TENSOR, NDARRAY) and f.nbytes]
 
-    def fill(samples: list[Any], columns: list[np.ndarray], positions: np.ndarray | None) -> bool:
+    def fill(samples: list[Any], columns: list[np.ndarray], positions: np.ndarray | None) -> str:
         leaves: list[Any] = []  # sample-major: sample j's field n is leaves[j * count + n]
         try:
             for sample in samples:
                 walk(sample, leaves)
         except _Slow:
-            return False
-        return all(filler(leaves[n::count], columns[n], positions)  # type: ignore[misc]
-                   for n, filler in by_field)
+            return UNWALKED
+        if arrays and shares_buffers([leaves[n::count] for n in arrays]):
+            return SHARED
+        ok = all(filler(leaves[n::count], columns[n], positions)  # type: ignore[misc]
+                 for n, filler in by_field)
+        return FILLED if ok else UNUSUAL
 
     return fill
+
+
+def shares_buffers(fields: list[list[Any]]) -> bool:
+    """Whether two values of one field (a list per field, a value per sample) start at the same address: a
+    source that returns one buffer refilled for each sample. Views of one big array (``data[i]``) start apart."""
+    import torch
+
+    tensor = torch.Tensor
+    for values in fields:
+        seen = set()
+        for x in values:
+            if type(x) is np.ndarray:
+                address = x.__array_interface__["data"][0]
+            elif isinstance(x, tensor):
+                address = x.data_ptr()
+            else:
+                continue
+            if address in seen:
+                return True
+            seen.add(address)
+    return False
 
 
 def _column_filler(field: Field) -> Callable[[list[Any], np.ndarray, np.ndarray | None], bool] | None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from ._check import FILLED, SHARED, UNWALKED, shares_buffers
+from ._fields import Field
 from ._filled import NoRoom
 from ._reader import RowReader
 from ._rows import RowMap
@@ -39,7 +41,7 @@ def checker(check_finite: bool) -> Callable[[RowReader, Any, int], list[Any]]:
         values = reader.check(sample, index)
         if check_finite:
             for field, value in zip(reader.fields, values):
-                if np.asarray(value).dtype.kind in "fc" and not np.isfinite(value).all():
+                if not _finite(field, value):
                     raise ValueError(f"sample {index}, field {field.name!r}: contains NaN or infinite values "
                                      "(check_finite=True); nothing was stored for it")
         return values
@@ -61,6 +63,9 @@ class Misses:
         self.check_finite = check_finite
         self.fetch = fetcher(source, self.path)
         self.checked = checker(check_finite)
+        # Whether a batch's misses are computed first and checked together (RowReader.fill_batch); off for good
+        # once the source is seen to refill one buffer for every sample.
+        self.batched = reader.fill_batch is not None and source is not None
 
     def require_source(self, index: int, row: int) -> None:
         if self.source is not None:
@@ -105,11 +110,11 @@ class Misses:
         """Fills batch positions ``missing`` of the gathered ``columns`` (of source indices ``idx``, cache rows
         ``rows``): rows filled since the gather are read again, the others computed, checked and stored under one
         acquisition of the writer lock. Samples computed before one that fails are kept."""
-        reader, keyed = self.reader, self.rows.keyed
+        reader, keyed, fixed = self.reader, self.rows.keyed, self.reader.fixed
         computed: Computed = []
         indices, row_list = idx.tolist(), rows.tolist()
         try:
-            if reader.fill_batch is not None and self.source is not None and len(missing) > 1:
+            if self.batched and len(missing) > 1:
                 missing = self._compute_together(idx, rows, columns, missing, computed)
             filled = reader.state.filled
             for k in missing:
@@ -120,6 +125,8 @@ class Misses:
                 if values is None:
                     self.require_source(index, row)
                     values = self.checked(reader, self.fetch(index), index)
+                    if not fixed:  # kept until the batch is published: not a view of a buffer the source refills
+                        values = [v.copy() if type(v) is np.ndarray else v for v in values]
                     if row >= 0:
                         computed.append((k, index, values))
                 for column, value in zip(columns, values):
@@ -152,8 +159,16 @@ class Misses:
             self._check_each(idx, rows, columns, todo[:len(samples)].tolist(), samples, computed)
             raise
         whole = len(todo) == len(idx)
-        if fill(samples, columns, None if whole else todo) and not (
-                self.check_finite and not _all_finite(columns, None if whole else todo)):
+        outcome = fill(samples, columns, None if whole else todo)
+        if outcome == UNWALKED and shares_buffers(_arrays_by_sample(samples)):
+            outcome = SHARED
+        if outcome == SHARED:
+            # The source refills one buffer: the samples fetched before the last are gone. From now on, each
+            # sample is copied out before the next is computed (the per-sample path), starting with these again.
+            self.batched = False
+            return missing
+        finite = not self.check_finite or _all_finite(reader.fields, columns, None if whole else todo)
+        if outcome == FILLED and finite:
             keep = todo[cacheable[~refilled]]
             computed.extend((k, index, None) for k, index in zip(keep.tolist(), idx[keep].tolist()))
         else:
@@ -193,10 +208,44 @@ class Misses:
         state.publish_many(writes)
 
 
-def _all_finite(columns: list[np.ndarray], positions: np.ndarray | None) -> bool:
-    """Whether the floating-point columns hold no NaN or infinity at ``positions`` (None: anywhere)."""
-    return all(np.isfinite(column if positions is None else column[positions]).all()
-               for column in columns if column.dtype.kind in "fc")
+def _arrays_by_sample(samples: list[Any]) -> list[list[Any]]:
+    """Each sample's tensors and arrays, found through dicts, lists and tuples, as ``shares_buffers`` takes them
+    (one list per position in the sample's walk order)."""
+    def arrays(obj: Any, out: list[Any]) -> list[Any]:
+        if isinstance(obj, dict):
+            for value in obj.values():
+                arrays(value, out)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                arrays(value, out)
+        elif hasattr(obj, "data_ptr") or type(obj) is np.ndarray:
+            out.append(obj)
+        return out
+
+    found = [arrays(sample, []) for sample in samples]
+    width = max((len(f) for f in found), default=0)
+    return [[f[n] for f in found if n < len(f)] for n in range(width)]
+
+
+def _finite(field: Field, value: Any) -> bool:
+    """Whether a field's value (as checked for storing) holds no NaN or infinity. Floating-point types numpy lacks
+    (bfloat16, float8, complex32) are stored as unsigned ints: they are tested as what they are."""
+    array = np.asarray(value)
+    if field.torch_dtype and array.dtype.kind == "u" and field.torch_dtype.startswith(("bfloat", "float", "complex")):
+        import torch
+
+        real = torch.from_numpy(np.ascontiguousarray(array)).view(getattr(torch, field.torch_dtype))
+        try:
+            return bool(torch.isfinite(real).all())
+        except (RuntimeError, TypeError):  # a type without isfinite in this torch: through float32
+            return bool(torch.isfinite(real.to(torch.complex64 if real.is_complex() else torch.float32)).all())
+    return array.dtype.kind not in "fc" or bool(np.isfinite(array).all())
+
+
+def _all_finite(fields: Sequence[Field], columns: list[np.ndarray], positions: np.ndarray | None) -> bool:
+    """Whether the batch's columns hold no NaN or infinity at ``positions`` (None: anywhere)."""
+    return all(_finite(field, column if positions is None else column[positions])
+               for field, column in zip(fields, columns))
 
 
 _warned_read_only: set[str] = set()

@@ -166,3 +166,50 @@ def test_check_finite_refuses_the_sample_with_nan_naming_it(cache_path: str) -> 
         # Without the NaN sample, a batch is stored as usual.
         assert len(ds.__getitems__(list(range(24, 40)))) == 16
         assert {i for i in range(N) if ds.is_cached(i)} == {0, *range(8, 13), *range(24, 40)}
+
+
+class RefillsOneBuffer(Dataset):
+    """A source that writes every sample into one output buffer and returns it (as some decoders do), fixed-size
+    (``ragged=False``) or as a view of varying length (a ragged field)."""
+
+    def __init__(self, kind: str, ragged: bool = False) -> None:
+        self.kind, self.ragged = kind, ragged
+        self.buf = torch.zeros(8) if kind == "tensor" else np.zeros(8, np.float32)
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        self.buf[:] = i
+        return {"x": self.buf[:3 + i % 5] if self.ragged else self.buf, "i": i}
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("kind", ["tensor", "ndarray"])
+def test_a_source_refilling_one_buffer_stores_each_sample_its_own_value(
+        cache_path: str, kind: str, ragged: bool) -> None:
+    # Computing a whole batch before copying it would leave the last sample's bytes under every index; the cache
+    # must store, and return, what ds[i] would.
+    options = {"ragged": ["x"]} if ragged else {}
+    with MmapCachedDataset(cache_path, RefillsOneBuffer(kind, ragged), **options) as ds:  # type: ignore[arg-type]
+        for batch in ds.loader(batch_size=8, collate_fn=lambda samples: samples) if ragged else ds.loader(
+                batch_size=8):
+            if not ragged:
+                assert [float(v) for v in batch["x"][:, 0]] == [float(i) for i in batch["i"]]
+            else:
+                assert all(float(s["x"][0]) == s["i"] for s in batch)
+    with MmapCachedDataset(cache_path) as reader:
+        for i in range(24):
+            value = np.asarray(reader[i]["x"])
+            assert value.shape == ((3 + i % 5,) if ragged else (8,)) and (value == i).all(), (i, value)
+
+
+def test_check_finite_sees_infinities_in_types_numpy_lacks(cache_path: str) -> None:
+    # bfloat16 is stored as uint16; its infinities must be refused all the same, in a batch and one by one.
+    odd = {13: ("half", torch.tensor([[0.0, math.inf, 1], [2, 3, 4]]).to(torch.bfloat16))}
+    with MmapCachedDataset(cache_path, Mixed(odd={**odd, 30: odd[13]}), check_finite=True) as ds:
+        with pytest.raises(ValueError, match=r"sample 13, field 'half': contains NaN or infinite"):
+            ds.__getitems__(list(range(8, 24)))
+        with pytest.raises(ValueError, match=r"sample 30, field 'half': contains NaN or infinite"):
+            ds[30]
+        assert not ds.is_cached(13) and not ds.is_cached(30) and ds.is_cached(12)
