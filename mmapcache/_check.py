@@ -231,6 +231,7 @@ def compile_batch_filler(layout: Layout) -> BatchFiller | None:
     count = len(fillers)
     by_field = list(enumerate(fillers))
     arrays = [n for n, f in enumerate(layout.fields) if f.kind in (TENSOR, NDARRAY) and f.nbytes]
+    addresses = [(n, _address(layout.fields[n].kind)) for n in arrays]
 
     def fill(samples: list[Any], columns: list[np.ndarray], positions: np.ndarray | None) -> str:
         leaves: list[Any] = []  # sample-major: sample j's field n is leaves[j * count + n]
@@ -239,13 +240,26 @@ def compile_batch_filler(layout: Layout) -> BatchFiller | None:
                 walk(sample, leaves)
         except _Slow:
             return UNWALKED
-        if arrays and shares_buffers([leaves[n::count] for n in arrays]):
-            return SHARED
-        ok = all(filler(leaves[n::count], columns[n], positions)  # type: ignore[misc]
-                 for n, filler in by_field)
-        return FILLED if ok else UNUSUAL
+        if not all(filler(leaves[n::count], columns[n], positions)  # type: ignore[misc]
+                   for n, filler in by_field):
+            return SHARED if arrays and shares_buffers([leaves[n::count] for n in arrays]) else UNUSUAL
+        # Every value has its field's type here: one address per value, in C.
+        for n, address in addresses:
+            values = leaves[n::count]
+            if len(set(map(address, values))) != len(values):
+                return SHARED
+        return FILLED
 
     return fill
+
+
+def _address(kind: str) -> Callable[[Any], int]:
+    """Where a value of a tensor or ndarray field starts in memory."""
+    if kind == NDARRAY:
+        return lambda x: x.__array_interface__["data"][0]
+    import torch
+
+    return torch.Tensor.data_ptr
 
 
 def shares_buffers(fields: list[list[Any]]) -> bool:
