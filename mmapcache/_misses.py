@@ -112,13 +112,13 @@ class Misses:
         acquisition of the writer lock. Samples computed before one that fails are kept."""
         reader, keyed, fixed = self.reader, self.rows.keyed, self.reader.fixed
         computed: Computed = []
-        indices, row_list = idx.tolist(), rows.tolist()
         try:
             if self.batched and len(missing) > 1:
                 missing = self._compute_together(idx, rows, columns, missing, computed)
+            # The rest one at a time (usually none left, or a handful).
+            indices, row_list = idx[missing].tolist(), rows[missing].tolist()
             filled = reader.state.filled
-            for k in missing:
-                index, row = indices[k], row_list[k]
+            for k, index, row in zip(missing, indices, row_list):
                 # A row that was filled but rewritten during the gather: read it again.
                 values = reader.read_values(row, index if keyed else -1) if row >= 0 and filled[row >> 3] >> (
                     row & 7) & 1 else None
