@@ -5,29 +5,19 @@ build their own. Real torchrun jobs on the gloo backend; "nodes" are torchrun la
 from __future__ import annotations
 
 import collections
-import json
 import multiprocessing
 import os
-import signal
 
 import numpy as np
 import pytest
 
 from helpers.processes import join_all, running
 from helpers.sources import Counting, ImageLabels
-from helpers.torchrun import TESTS, TIMEOUT, finish, free_port, torchrun
+from helpers.torchrun import TESTS, TIMEOUT, finish, results, torchrun, two_nodes
 from mmapcache import MmapCachedDataset
 from mmapcache.distributed import local_rank_and_size, prefill
 
 N = 48
-
-
-def results(out_dir: str) -> list[dict]:
-    found = []
-    for name in sorted(os.listdir(out_dir)):
-        with open(os.path.join(out_dir, name)) as f:
-            found.append(json.load(f))
-    return found
 
 
 def calls(log: str) -> collections.Counter:
@@ -68,26 +58,10 @@ def test_one_node_two_ranks_share_one_cache(shm_dir: str, tmp_path) -> None:
 
 
 def test_two_nodes_each_build_their_own_cache(shm_dir: str, tmp_path) -> None:
-    port = free_port()
     out = tmp_path / "out"
     out.mkdir()
-    procs = []
-    for node_rank in (0, 1):
-        procs.append(torchrun(
-            ["--nnodes=2", f"--node-rank={node_rank}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-             f"--master-port={port}", os.path.join(TESTS, "helpers", "dist_script.py"), "--results", str(out),
-             "--cache-name", "cache",
-             "--calls", str(tmp_path / f"calls{node_rank}"), "--samples", str(N)],
-            {"MMAPCACHE_DIR": os.path.join(shm_dir, f"node{node_rank}")},
-        ))
-    try:
-        for proc in procs:
-            finish(proc)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate(timeout=TIMEOUT)
+    two_nodes(lambda node: [os.path.join(TESTS, "helpers", "dist_script.py"), "--results", str(out), "--cache-name",
+                            "cache", "--calls", str(tmp_path / f"calls{node}"), "--samples", str(N)], shm_dir)
     ranks = results(str(out))
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and all(r["world"] == 4 for r in ranks)
     assert all(r["all_reduce"] == 1 + 2 + 3 + 4 for r in ranks)  # one job of 4 ranks, across both "nodes"

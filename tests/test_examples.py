@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from helpers.sources import sample_equal
-from helpers.torchrun import finish, free_port, torchrun
+from helpers.torchrun import two_nodes
 from mmapcache import MmapCachedDataset, _format
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,13 +117,9 @@ def test_ddp_example_under_torchrun(shm_dir: str) -> None:
 
 
 def test_ddp_example_with_node_shares_on_two_nodes(shm_dir: str) -> None:
-    port = free_port()
-    procs = [torchrun(["--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-                       f"--master-port={port}", os.path.join(EXAMPLES, "ddp.py"), "--samples", "64", "--epochs",
-                       "3", "--steps", "2", "--batch-size", "8", "--workers", "0", "--cache", "ddp",
-                       "--node-share", "--rotate-every", "2"],
-                      {"MMAPCACHE_DIR": os.path.join(shm_dir, f"node{node}")}) for node in (0, 1)]
-    out = "".join(finish(proc) for proc in procs)
+    out = two_nodes(lambda node: [os.path.join(EXAMPLES, "ddp.py"), "--samples", "64", "--epochs", "3", "--steps",
+                                  "2", "--batch-size", "8", "--workers", "0", "--cache", "ddp", "--node-share",
+                                  "--rotate-every", "2"], shm_dir)
     for node in (0, 1):
         shown = re.findall(rf"prefill stored \d+ samples .* 32/64 cached .*\(share: node {node} of 2: 32 of 64 "
                            r"indices \(seed 0, drawn again every 2 epochs\)\)", out)

@@ -7,9 +7,7 @@ own ``MMAPCACHE_DIR`` (a real cluster's nodes each have their own /dev/shm), two
 from __future__ import annotations
 
 import collections
-import json
 import os
-import signal
 import subprocess
 
 import numpy as np
@@ -18,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers.sources import Counting, ImageLabels, sample_equal
-from helpers.torchrun import TESTS, TIMEOUT, finish, free_port, torchrun
+from helpers.torchrun import TESTS, results, two_nodes
 from mmapcache import CacheMismatchError, MmapCachedDataset, ShareSampler, describe
 from mmapcache._share import Share, node_of_process, share_of
 
@@ -214,29 +212,11 @@ def test_rotation_moves_the_share_and_never_serves_another_generations_sample(ca
 
 
 def test_two_nodes_cache_disjoint_shares_and_read_only_them(shm_dir: str, tmp_path) -> None:
-    port = free_port()
     out = tmp_path / "out"
     out.mkdir()
-    procs = []
-    for node_rank in (0, 1):
-        procs.append(torchrun(
-            ["--nnodes=2", f"--node-rank={node_rank}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-             f"--master-port={port}", os.path.join(TESTS, "helpers", "share_script.py"), "--results", str(out),
-             "--calls", str(tmp_path / f"calls{node_rank}"), "--samples", str(N), "--epochs", "2"],
-            {"MMAPCACHE_DIR": os.path.join(shm_dir, f"node{node_rank}")},
-        ))
-    try:
-        for proc in procs:
-            finish(proc)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate(timeout=TIMEOUT)
-    ranks = []
-    for name in sorted(os.listdir(out)):
-        with open(out / name) as f:
-            ranks.append(json.load(f))
+    two_nodes(lambda node: [os.path.join(TESTS, "helpers", "share_script.py"), "--results", str(out),
+                            "--calls", str(tmp_path / f"calls{node}"), "--samples", str(N), "--epochs", "2"], shm_dir)
+    ranks = results(str(out))
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     assert all(r["correct"] for r in ranks), "a batch differed from the source"
     shares = {r["node"]: r["share"] for r in ranks}
