@@ -77,14 +77,6 @@ class Ring:
         epoch, position = divmod(q, self.length)
         return int(self.order(epoch)[position])
 
-    def indices_of(self, qs: np.ndarray) -> np.ndarray:
-        epochs, positions = np.divmod(qs, self.length)
-        out = np.empty(len(qs), np.int64)
-        for epoch in np.unique(epochs).tolist():
-            at = epochs == epoch
-            out[at] = self.order(epoch)[positions[at]]
-        return out
-
     # --- consumers --------------------------------------------------------------------------------------------
 
     @staticmethod
