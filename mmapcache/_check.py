@@ -8,6 +8,7 @@ accept what it would refuse and never explain anything themselves.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -217,9 +218,10 @@ def compile_batch_filler(layout: Layout) -> BatchFiller | None:
     assignment per sample and field. None for other layouts, whose misses take ``compile_checker`` one by one.
 
     It returns ``FILLED``; or, having written nothing that matters (the caller overwrites it): ``UNUSUAL`` when a
-    sample needs the per-sample check, ``SHARED`` when two samples' arrays start at the same address (a source
-    that refills one output buffer: the earlier samples' values are gone, they must be computed again one at a
-    time), ``UNWALKED`` when a sample does not have the layout's structure (sharing then unchecked).
+    sample needs the per-sample check, ``SHARED`` when the memory of two samples' arrays overlaps (a source that
+    refills one output buffer, whole or at shifting offsets: the earlier samples' values may be gone, they must be
+    computed again one at a time), ``UNWALKED`` when a sample does not have the layout's structure (overlap then
+    unchecked).
 
     It accepts exactly what ``compile_checker`` accepts, with one exception: tensors with the conjugate or
     negative bit set are stacked with the bit resolved, as ``Layout.check`` would convert them.
@@ -231,7 +233,7 @@ def compile_batch_filler(layout: Layout) -> BatchFiller | None:
     count = len(fillers)
     by_field = list(enumerate(fillers))
     arrays = [n for n, f in enumerate(layout.fields) if f.kind in (TENSOR, NDARRAY) and f.nbytes]
-    addresses = [(n, _address(layout.fields[n].kind)) for n in arrays]
+    extents = [(n, _extents(layout.fields[n])) for n in arrays]
 
     def fill(samples: list[Any], columns: list[np.ndarray], positions: np.ndarray | None) -> str:
         leaves: list[Any] = []  # sample-major: sample j's field n is leaves[j * count + n]
@@ -242,45 +244,112 @@ def compile_batch_filler(layout: Layout) -> BatchFiller | None:
             return UNWALKED
         if not all(filler(leaves[n::count], columns[n], positions)  # type: ignore[misc]
                    for n, filler in by_field):
-            return SHARED if arrays and shares_buffers([leaves[n::count] for n in arrays]) else UNUSUAL
-        # Every value has its field's type here: one address per value, in C.
-        for n, address in addresses:
-            values = leaves[n::count]
-            if len(set(map(address, values))) != len(values):
+            return SHARED if arrays and overlaps([[leaves[j * count + n] for n in arrays]
+                                                  for j in range(len(samples))]) else UNUSUAL
+        if extents:
+            # Every value has its field's type, dtype and shape here: each field's extents in a few C-level passes.
+            parts = [extent(leaves[n::count]) for n, extent in extents]
+            starts = np.concatenate([p[0] for p in parts])
+            ends = np.concatenate([p[1] for p in parts])
+            owners = np.tile(np.arange(len(samples), dtype=np.int64), len(parts))
+            if ranges_overlap(starts, ends, owners):
                 return SHARED
         return FILLED
 
     return fill
 
 
-def _address(kind: str) -> Callable[[Any], int]:
-    """Where a value of a tensor or ndarray field starts in memory."""
-    if kind == NDARRAY:
-        return lambda x: x.__array_interface__["data"][0]
-    import torch
+def _extents(field: Field) -> Callable[[list[Any]], tuple[np.ndarray, np.ndarray]]:
+    """For values of a fixed tensor or ndarray field (its type, dtype and shape checked), the first and one past the
+    last byte address of the memory each value spans, as two int64 arrays."""
+    nbytes = field.nbytes
+    address: Callable[[Any], int]
+    contiguous: Callable[[Any], bool]
+    if field.kind == NDARRAY:
+        def address(x: Any) -> int:
+            return x.__array_interface__["data"][0]
+        contiguous = operator.attrgetter("flags.c_contiguous")
+    else:
+        import torch
 
-    return torch.Tensor.data_ptr
+        address, contiguous = torch.Tensor.data_ptr, torch.Tensor.is_contiguous
+
+    def extents(values: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+        if all(map(contiguous, values)):
+            starts = np.fromiter(map(address, values), np.int64, count=len(values))
+            return starts, starts + nbytes
+        spans = np.array([span(x) for x in values], np.int64).reshape(-1, 2)
+        return spans[:, 0], spans[:, 1]
+    return extents
 
 
-def shares_buffers(fields: list[list[Any]]) -> bool:
-    """Whether two values of one field (a list per field, a value per sample) start at the same address: a
-    source that returns one buffer refilled for each sample. Views of one big array (``data[i]``) start apart."""
-    import torch
+def span(x: Any) -> tuple[int, int]:
+    """The first and one past the last byte address of the memory an array or tensor's elements lie in (for a
+    strided view, everything between its lowest and highest element: a superset of the bytes it reads). ``(0, 0)``
+    for an empty one, or for anything else."""
+    strides: list[int]
+    if isinstance(x, np.ndarray):
+        if not x.size:
+            return 0, 0
+        start, itemsize, strides = x.__array_interface__["data"][0], x.itemsize, list(x.strides)
+    elif hasattr(x, "data_ptr") and hasattr(x, "stride"):
+        if not x.numel() or x.device.type != "cpu":
+            return 0, 0
+        itemsize = x.element_size()
+        start, strides = x.data_ptr(), [s * itemsize for s in x.stride()]
+    else:
+        return 0, 0
+    low = high = start
+    for size, stride in zip(x.shape, strides):
+        if stride >= 0:
+            high += (size - 1) * stride
+        else:
+            low += (size - 1) * stride
+    return low, high + itemsize
 
-    tensor = torch.Tensor
-    for values in fields:
-        seen = set()
-        for x in values:
-            if type(x) is np.ndarray:
-                address = x.__array_interface__["data"][0]
-            elif isinstance(x, tensor):
-                address = x.data_ptr()
-            else:
-                continue
-            if address in seen:
-                return True
-            seen.add(address)
-    return False
+
+def arrays_of(sample: Any, out: list[Any] | None = None) -> list[Any]:
+    """The tensors and arrays in a sample (found through dicts, lists and tuples), appended to ``out``."""
+    out = [] if out is None else out
+    if isinstance(sample, dict):
+        for value in sample.values():
+            arrays_of(value, out)
+    elif isinstance(sample, (list, tuple)):
+        for value in sample:
+            arrays_of(value, out)
+    elif hasattr(sample, "data_ptr") or isinstance(sample, np.ndarray):
+        out.append(sample)
+    return out
+
+
+def overlaps(arrays_by_sample: list[list[Any]]) -> bool:
+    """Whether the memory of two different samples' arrays or tensors overlaps (``arrays_by_sample[j]``: sample
+    ``j``'s). Such a source refills one buffer: a sample computed earlier may already hold a later one's bytes.
+    Views of one big read-only array (``data[i]``) lie apart; views of a buffer at shifting offsets
+    (``buf[k:k + n]``) overlap, wherever they start."""
+    spans = [(*span(x), j) for j, arrays in enumerate(arrays_by_sample) for x in arrays]
+    if len(spans) < 2:
+        return False
+    table = np.array(spans, np.int64)
+    return ranges_overlap(table[:, 0], table[:, 1], table[:, 2])
+
+
+def ranges_overlap(starts: np.ndarray, ends: np.ndarray, owners: np.ndarray) -> bool:
+    """Whether two byte ranges ``[start, end)`` of different owners share a byte (empty ranges never do).
+
+    One sweep in address order: a range overlaps an earlier-starting one iff it starts before the furthest end
+    reached so far; it is enough to compare its owner with the owner of that furthest-reaching range (if they are
+    the same, that range and the other earlier one overlap, and that pair was found first)."""
+    keep = ends > starts
+    if int(np.count_nonzero(keep)) < 2:
+        return False
+    starts, ends, owners = starts[keep], ends[keep], owners[keep]
+    order = np.argsort(starts, kind="stable")
+    starts, ends, owners = starts[order], ends[order], owners[order]
+    reach = np.maximum.accumulate(ends)
+    # The position of the range that reached ``reach[k]`` (the last one to raise it).
+    reacher = np.maximum.accumulate(np.where(ends == reach, np.arange(len(ends)), 0))
+    return bool(np.any((starts[1:] < reach[:-1]) & (owners[1:] != owners[reacher[:-1]])))
 
 
 def _column_filler(field: Field) -> Callable[[list[Any], np.ndarray, np.ndarray | None], bool] | None:

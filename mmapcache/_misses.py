@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._check import FILLED, SHARED, UNWALKED, shares_buffers
+from ._check import FILLED, SHARED, UNWALKED, arrays_of, overlaps
 from ._fields import Field
 from ._filled import NoRoom
 from ._reader import RowReader
@@ -160,11 +160,12 @@ class Misses:
             raise
         whole = len(todo) == len(idx)
         outcome = fill(samples, columns, None if whole else todo)
-        if outcome == UNWALKED and shares_buffers(_arrays_by_sample(samples)):
+        if outcome == UNWALKED and overlaps([arrays_of(sample) for sample in samples]):
             outcome = SHARED
         if outcome == SHARED:
-            # The source refills one buffer: the samples fetched before the last are gone. From now on, each
-            # sample is copied out before the next is computed (the per-sample path), starting with these again.
+            # The source refills one buffer (whole, or at shifting offsets): the samples fetched before the last may
+            # be gone. From now on, each sample is copied out before the next is computed (the per-sample path),
+            # starting with these again.
             self.batched = False
             return missing
         finite = not self.check_finite or _all_finite(reader.fields, columns, None if whole else todo)
@@ -206,25 +207,6 @@ class Misses:
             assert values is not None  # only fixed layouts leave the values in the columns alone
             writes.append((int(rows[k]), index, functools.partial(reader.write, int(rows[k]), values)))
         state.publish_many(writes)
-
-
-def _arrays_by_sample(samples: list[Any]) -> list[list[Any]]:
-    """Each sample's tensors and arrays, found through dicts, lists and tuples, as ``shares_buffers`` takes them
-    (one list per position in the sample's walk order)."""
-    def arrays(obj: Any, out: list[Any]) -> list[Any]:
-        if isinstance(obj, dict):
-            for value in obj.values():
-                arrays(value, out)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                arrays(value, out)
-        elif hasattr(obj, "data_ptr") or type(obj) is np.ndarray:
-            out.append(obj)
-        return out
-
-    found = [arrays(sample, []) for sample in samples]
-    width = max((len(f) for f in found), default=0)
-    return [[f[n] for f in found if n < len(f)] for n in range(width)]
 
 
 def _finite(field: Field, value: Any) -> bool:

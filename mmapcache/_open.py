@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import _admin, _create
+from ._check import arrays_of, overlaps
 from ._codec import differing_field
 from ._create import plan_bytes
 from ._filled import NoRoom
@@ -197,6 +198,9 @@ def _create_locked(request: Request, source: Source) -> None:
         cacheable = np.arange(slots) if slot_index is None else slot_index
         spread = cacheable[np.linspace(0, len(cacheable) - 1, _PROBES).astype(np.int64)]
         samples += [(int(i), source.fetch(int(i))) for i in dict.fromkeys(spread.tolist()) if i != index]
+    # A source that refills one buffer for every sample (whole, or at shifting offsets) has overwritten the earlier
+    # samples' values by now (their shapes, all the layout needs, are intact): each is computed again when stored.
+    refills = len(samples) > 1 and overlaps([arrays_of(s) for _, s in samples])
     if auto:
         try:
             layout = Layout.from_samples([s for _, s in samples], options.max_shapes, options.declared_ragged)
@@ -228,7 +232,7 @@ def _create_locked(request: Request, source: Source) -> None:
                 if row < 0:
                     continue
                 try:
-                    values = source.values(reader, probe, i)
+                    values = source.values(reader, source.fetch(i) if refills else probe, i)
                 except (LayoutError, ValueError):
                     if number == 0:
                         raise

@@ -94,7 +94,8 @@ class RaggedColumn:
         self.patches: dict[int, np.ndarray] = {}
 
     def __setitem__(self, position: int, value: Any) -> None:
-        self.patches[position] = np.asarray(value)
+        # A copy: the value may be a view of a buffer the source refills for its next sample.
+        self.patches[position] = np.array(value)
 
     def parts(self) -> list[np.ndarray]:
         """Each position's value (views into ``flat``; patches as given)."""

@@ -254,7 +254,11 @@ def read_positions(ring: Ring, reader: Any, epoch: int, positions: np.ndarray, c
 
 
 class _Column(list):
-    """A column of one value per position, for layouts ``gather`` cannot batch (``max_shapes`` fields)."""
+    """A column of one value per position, for layouts ``gather`` cannot batch (``max_shapes`` fields). It keeps a
+    copy of each array put in it: the value may be a view of a buffer the source refills for its next sample."""
+
+    def __setitem__(self, position: Any, value: Any) -> None:
+        super().__setitem__(position, value.copy() if isinstance(value, np.ndarray) else value)
 
 
 def _per_position(reader: Any, count: int) -> list[Any]:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -170,28 +171,33 @@ def test_check_finite_refuses_the_sample_with_nan_naming_it(cache_path: str) -> 
 
 class RefillsOneBuffer(Dataset):
     """A source that writes every sample into one output buffer and returns it (as some decoders do), fixed-size
-    (``ragged=False``) or as a view of varying length (a ragged field)."""
+    (``ragged=False``) or as a view of varying length (a ragged field). With ``shift``, the view starts at an offset
+    that differs for every sample of a batch (a decoder writing into a preallocated ring): no two samples' arrays
+    start at the same address, yet their memory overlaps."""
 
-    def __init__(self, kind: str, ragged: bool = False) -> None:
-        self.kind, self.ragged = kind, ragged
-        self.buf = torch.zeros(8) if kind == "tensor" else np.zeros(8, np.float32)
+    def __init__(self, kind: str, ragged: bool = False, shift: bool = False) -> None:
+        self.kind, self.ragged, self.shift = kind, ragged, shift
+        self.buf = torch.zeros(32) if kind == "tensor" else np.zeros(32, np.float32)
 
     def __len__(self) -> int:
         return 24
 
     def __getitem__(self, i: int) -> dict[str, object]:
         self.buf[:] = i
-        return {"x": self.buf[:3 + i % 5] if self.ragged else self.buf, "i": i}
+        start = i % 16 if self.shift else 0
+        return {"x": self.buf[start:start + (3 + i % 5 if self.ragged else 8)], "i": i}
 
 
+@pytest.mark.parametrize("shift", [False, True])
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("kind", ["tensor", "ndarray"])
 def test_a_source_refilling_one_buffer_stores_each_sample_its_own_value(
-        cache_path: str, kind: str, ragged: bool) -> None:
+        cache_path: str, kind: str, ragged: bool, shift: bool) -> None:
     # Computing a whole batch before copying it would leave the last sample's bytes under every index; the cache
     # must store, and return, what ds[i] would.
     options = {"ragged": ["x"]} if ragged else {}
-    with MmapCachedDataset(cache_path, RefillsOneBuffer(kind, ragged), **options) as ds:  # type: ignore[arg-type]
+    source = RefillsOneBuffer(kind, ragged, shift)
+    with MmapCachedDataset(cache_path, source, **options) as ds:  # type: ignore[arg-type]
         for batch in ds.loader(batch_size=8, collate_fn=lambda samples: samples) if ragged else ds.loader(
                 batch_size=8):
             if not ragged:
@@ -202,6 +208,93 @@ def test_a_source_refilling_one_buffer_stores_each_sample_its_own_value(
         for i in range(24):
             value = np.asarray(reader[i]["x"])
             assert value.shape == ((3 + i % 5,) if ragged else (8,)) and (value == i).all(), (i, value)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_probes_of_a_refilling_source_are_each_stored_right(cache_path: str, shift: bool) -> None:
+    # ragged="auto" computes 8 samples before it knows the layout, and stores them: each must be its own.
+    with MmapCachedDataset(cache_path, RefillsOneBuffer("tensor", ragged=True, shift=shift), ragged="auto") as ds:
+        stored = [i for i in range(24) if ds.is_cached(i)]
+        assert len(stored) == 8
+    with MmapCachedDataset(cache_path) as reader:
+        assert all(bool((reader[i]["x"] == i).all()) and len(reader[i]["x"]) == 3 + i % 5 for i in stored)
+
+
+class Windows(Dataset):
+    """Overlapping windows of one array that never changes (a time series): views whose memory overlaps on
+    purpose. Not a refilled buffer, but the cache cannot tell: it must store every window as it is."""
+
+    def __init__(self) -> None:
+        self.series = np.arange(64, dtype=np.float32)
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, np.ndarray]:
+        return torch.from_numpy(self.series[i:i + 8]), self.series[i + 8:i + 16]
+
+
+def test_overlapping_windows_of_a_constant_array_are_stored_as_they_are(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Windows()) as ds:
+        batches = list(ds.loader(batch_size=16))
+    assert torch.equal(torch.cat([b[0] for b in batches]), torch.stack([torch.arange(i, i + 8.0) for i in range(48)]))
+    with MmapCachedDataset(cache_path) as reader:
+        for i in range(48):
+            window, after = reader[i]
+            assert window.tolist() == list(range(i, i + 8)) and after.tolist() == list(range(i + 8, i + 16)), i
+
+
+class OneBufferForTwoFields(Dataset):
+    """Both fields of a sample are views of one buffer the source refills: sample ``i``'s ``a`` lies where another
+    sample's ``b`` lay. Start addresses differ across a batch; only the ranges overlap."""
+
+    def __init__(self) -> None:
+        self.buf = torch.zeros(64)
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        start = 3 * i % 29
+        self.buf[start:start + 8] = i
+        self.buf[start + 8:start + 12] = -i
+        return {"a": self.buf[start:start + 8], "b": self.buf[start + 8:start + 12]}
+
+
+def test_fields_of_different_samples_sharing_one_buffer_are_each_stored_right(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, OneBufferForTwoFields()) as ds:
+        batch = ds.__getitems__(list(range(1, 16)))
+        assert [(s["a"] == i).all().item() and (s["b"] == -i).all().item() for i, s in zip(range(1, 16), batch)] == [
+            True] * 15
+    with MmapCachedDataset(cache_path) as reader:
+        assert all(bool((reader[i]["a"] == i).all() and (reader[i]["b"] == -i).all()) for i in range(16))
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_stream_read_from_a_refilling_source_serves_each_sample_its_own_value(cache_path: str,
+                                                                                ragged: bool) -> None:
+    # No producer: the reader computes every position, keeping each value in the batch's column until the batch is
+    # built; a column must keep a copy, not a view of the source's buffer.
+    options: dict[str, Any] = {"ragged": ["x"]} if ragged else {"max_shapes": {"x": (8,)}}
+    with MmapCachedDataset(cache_path, RefillsOneBuffer("tensor", ragged=True, shift=True), stream=True,
+                           **options) as ds:
+        for batch in ds.loader(batch_size=8, collate_fn=lambda samples: samples):
+            assert [float(s["x"][0]) for s in batch] == [float(s["i"]) for s in batch]
+            assert all(bool((s["x"] == s["i"]).all()) for s in batch)
+
+
+def test_ranges_overlap_agrees_with_a_pairwise_check() -> None:
+    from mmapcache._check import ranges_overlap
+
+    rng = np.random.default_rng(5)
+    for _ in range(3000):
+        n = int(rng.integers(0, 9))
+        starts = rng.integers(0, 40, n)
+        ends = starts + rng.integers(0, 12, n)
+        owners = rng.integers(0, 3, n)
+        pairwise = any(owners[a] != owners[b] and max(starts[a], starts[b]) < min(ends[a], ends[b])
+                       for a in range(n) for b in range(a + 1, n))
+        assert ranges_overlap(starts, ends, owners) == pairwise, (starts, ends, owners)
 
 
 def test_check_finite_sees_infinities_in_types_numpy_lacks(cache_path: str) -> None:
