@@ -9,6 +9,7 @@ found by redoing the dead worker's chunks one row at a time, named, and skipped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ._fill import Filler, Plan, Task, chunk_targets, in_range
+from ._parent import die_with_parent
 from ._rows import RowMap
 from ._sizes import format_size
 from ._store import Store
@@ -191,7 +193,8 @@ class Driver:
         # Filler is a map-style dataset by protocol (__len__, __getitem__), not by torch's base class.
         loader: DataLoader[dict[str, Any]] = DataLoader(
             Filler(self.plan, tasks, wait), batch_size=None, shuffle=False,  # type: ignore[arg-type]
-            num_workers=workers, collate_fn=_identity, prefetch_factor=_PREFETCH)
+            num_workers=workers, collate_fn=_identity, prefetch_factor=_PREFETCH,
+            worker_init_fn=functools.partial(_watch_parent, os.getpid()))
         reported = 0
         it: Iterator[dict[str, Any]] = iter(loader)
         try:
@@ -280,3 +283,9 @@ class Driver:
             eta = f"{left / rate:.0f} s" if rate > 0 else "?"
             print(f"{self.plan.path}: {done}/{self.total} rows ({self.report.filled} filled, {len(self.report.failed)} "
                   f"failed), {rate:.1f} samples/s, ETA {eta}", file=self.out, flush=True)
+
+
+def _watch_parent(parent: int, worker_id: int) -> None:
+    """A build worker exits as soon as the build that started it dies (torch's own watch waits for its task to
+    end: a whole chunk of samples computed for nobody)."""
+    die_with_parent(parent)

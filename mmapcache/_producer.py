@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._filled import NoRoom
+from ._parent import die_with_parent
 from ._reader import RowReader
 from ._store import Store
 from ._stream import Ring, register_producer
@@ -87,14 +88,16 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None) -> dict
     return done
 
 
-def _run(path: str, make_source: Callable[[], Any], stop: Any) -> None:
+def _run(path: str, make_source: Callable[[], Any], stop: Any, parent: int) -> None:
+    die_with_parent(parent)  # a producer whose starter was killed must not produce for nobody, forever
     with contextlib.suppress(KeyboardInterrupt):
         produce(path, make_source, stop)
 
 
 class Producer:
     """Producer processes started for one stream (``Producer.start``). Stop them with ``stop()`` or by leaving a
-    ``with`` block; they also stop when the cache is removed. Processes are daemons: they never outlive this one."""
+    ``with`` block; they also stop when the cache is removed. They never outlive this process: daemons stopped when
+    it exits, and each watches it and exits when it is killed (``_parent``)."""
 
     def __init__(self, path: str, make_source: Callable[[], Any], workers: int, context: Any) -> None:
         self.path, self._make_source, self._context = path, make_source, context
@@ -102,8 +105,8 @@ class Producer:
         self.processes = [self._new(k) for k in range(workers)]
 
     def _new(self, k: int) -> Any:
-        process = self._context.Process(target=_run, args=(self.path, self._make_source, self._stop), daemon=True,
-                                        name=f"mmapcache-producer-{k}")
+        process = self._context.Process(target=_run, args=(self.path, self._make_source, self._stop, os.getpid()),
+                                        daemon=True, name=f"mmapcache-producer-{k}")
         process.start()
         return process
 
