@@ -217,7 +217,9 @@ class SlotState:
                     f"{where}/{name}: bits are set past row {self.rows}, the cache's size; the file is damaged: "
                     f"remove the cache (`mmapcache rm --force {where}`) and build it again"
                 )
-        never_written = self.filled_mask() & (self.seq_np == 0)
+        counter = self.changes[0]
+        filled = self.filled_mask()
+        never_written = filled & (self.seq_np == 0)
         if never_written.any():
             rows = np.flatnonzero(never_written)
             raise CacheFormatError(
@@ -225,6 +227,17 @@ class SlotState:
                 f"(their counter in {SEQ} is 0); the file is damaged: remove the cache (`mmapcache rm --force "
                 f"{where}`) and build it again"
             )
+        # The count of complete rows lets a reader of a complete cache skip every per-row check: a count that is
+        # too high would serve empty rows. Exact whenever no writer is mid-change (an even counter, unchanged
+        # during the count); a writer that died mid-change left it odd, and the next writer counts again.
+        if not counter & 1:
+            complete = int((filled & (self.seq_np & 1 == 0) & ~self.stale_mask()).sum())
+            if self.changes[0] == counter and self.changes[1] != complete:
+                raise CacheFormatError(
+                    f"{where}/{CHANGES}: it counts {self.changes[1]} complete rows, but {complete} rows are filled, "
+                    f"not stale and not being written; the file is damaged: remove the cache (`mmapcache rm --force "
+                    f"{where}`) and build it again"
+                )
 
     # --- writing (under the writer lock) -----------------------------------------------------------------------
 
@@ -246,8 +259,9 @@ class SlotState:
         """Stores row ``row`` (holding source index ``key``) by calling ``write(owned)`` under the lock, unless it is
         already filled with ``key`` and not stale. ``owned`` says whether the row's previous bytes are intact
         (its counter was even and it had been written): only then are its old heap extents its own to reuse or
-        free. ``write`` may raise ``NoRoom`` before writing anything (a full heap): the row is then left as it
-        was, and ``NoRoom`` propagates (the caller serves the sample uncached, and counts it). ``wanted``, if
+        free. ``write`` may raise ``NoRoom`` (a full heap) or ``CacheFormatError`` (a damaged heap) before writing
+        anything: the row is then left as it was, and the exception propagates (for ``NoRoom``, the caller serves
+        the sample uncached, and counts it). ``wanted``, if
         given, is asked under the lock first: False leaves the row alone (a stream position its reader has
         passed). Returns whether this call stored the row. Safe across processes and threads."""
         self._require_writable()
@@ -317,8 +331,8 @@ class SlotState:
         self.seq[row] = (seq | 1) & 0xFFFFFFFF
         try:
             write(not seq & 1 and seq != 0)
-        except NoRoom:
-            self.seq[row] = seq  # nothing was written: the row stays what it was
+        except (NoRoom, CacheFormatError):
+            self.seq[row] = seq  # refused before anything was written: the row stays what it was
             raise
         self.keys[row] = key
         self.seq[row] = ((seq | 1) + 1) & 0xFFFFFFFF or 2  # wraps past 0 to 2: 0 means "never written"

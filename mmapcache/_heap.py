@@ -20,7 +20,9 @@ row being rewritten retries whatever the allocator does with the bytes it was co
   A moving value of ``n`` bytes pops from the list of the smallest class whose lower bound is ``>= n``, or one of
   the next 4 (extents up to ~1.8x the value); with none, it is appended at the end in an extent of that lower
   bound, so it can serve another value of its class once freed. The end grows the file with
-  ``posix_fallocate`` first (never a sparse page a reader could fault on: SIGBUS on a full tmpfs).
+  ``posix_fallocate`` first (never a sparse page a reader could fault on: SIGBUS on a full tmpfs), and never
+  writes past the capacity so reserved: a writer checks the counters, and the extent a row's index records, before
+  it writes (damage there is a ``CacheFormatError``, never a write).
 - Each free extent holds, in its first 16 bytes, the offset + 1 of the next one in its list and its own size.
   Freed extents under 16 bytes (a row's first, exact value), and alignment padding, are *abandoned*.
 
@@ -107,10 +109,37 @@ class Heap:
         self.buf = np.empty(0, np.uint8)
         self.size = 0
         self.remap()
-        if int(counters[END]) > self.size:
-            raise CacheFormatError(f"{self.path} has {self.size} bytes but its counters in heaps.u64 say "
-                                   f"{int(counters[END])} are in use: the file is truncated; remove the cache and "
-                                   "build it again")
+        self.check_counters(self.size)
+
+    def _damaged(self, problem: str) -> CacheFormatError:
+        directory = os.path.dirname(self.path)
+        return CacheFormatError(f"{self.path}: {problem}; the cache is damaged: remove it (`mmapcache rm --force "
+                                f"{directory}`) and build it again (`mmapcache verify {directory}` lists the damage)")
+
+    def check_counters(self, size: int | None = None) -> None:
+        """Raises ``CacheFormatError`` unless this heap's counters describe its file: ``end <= capacity <= size``
+        (the file's size: ``fstat`` unless given) and ``free <= end``. Checked when the heap is opened, and by a
+        writer before it changes anything (holding the writer lock), so that no write lands past what
+        ``posix_fallocate`` reserved."""
+        c = self.counters
+        end, capacity, free = int(c[END]), int(c[CAPACITY]), int(c[FREE])
+        if size is None:
+            size = os.fstat(self.fd).st_size
+        if not 0 <= end <= capacity <= size:
+            raise self._damaged(f"its counters in heaps.u64 say {end} bytes are in use of {capacity} reserved, but "
+                                f"the file has {size} bytes (need used <= reserved <= file size): the file or "
+                                "heaps.u64 is truncated or overwritten")
+        if free > end:
+            raise self._damaged(f"its counters in heaps.u64 say {free} bytes are free of {end} in use")
+
+    def check_extent(self, offset: int, capacity: int, align: int, row: int) -> None:
+        """Raises ``CacheFormatError`` unless ``[offset, offset + capacity)``, row ``row``'s extent as its index
+        row records it, lies in the heap's used part at a multiple of ``align``. A writer checks a row's extent
+        before it writes into or frees it (holding the writer lock)."""
+        end = int(self.counters[END])
+        if capacity < 0 or offset < 0 or offset + capacity > end or (capacity and offset % align):
+            raise self._damaged(f"row {row}'s index records the extent [offset {offset}, {capacity} bytes], not a "
+                                f"part of the heap's {end} used bytes at a multiple of {align}")
 
     def remap(self) -> None:
         """Maps the heap at its current size, if it grew since the last mapping."""
@@ -154,8 +183,12 @@ class Heap:
             grown = max(need, capacity + max(_MIN_GROWTH, capacity // 16))
             grown = -(-grown // _PAGE) * _PAGE
             if budget_left is not None:
-                grown = min(grown, capacity + budget_left)
-            if grown < need or not self._reserve(grown):
+                # Under a budget that the ragged fields share, grow past what the value needs by at most half of
+                # what is left: a step of one field must not take the room of the others' next values.
+                grown = min(grown, max(need, capacity + budget_left // 2))
+                if grown - capacity > budget_left:
+                    return None
+            if not self._reserve(grown):
                 return None
             c[CAPACITY] = grown
         c[END] = need
@@ -177,14 +210,19 @@ class Heap:
         if not len(nonempty):
             return None
         cls = first + int(nonempty[0])
-        offset = int(c[HEADS + cls]) - 1
-        record = self.covering(offset + MIN_EXTENT)[offset:offset + MIN_EXTENT].view("<u8")
+        offset, end = int(c[HEADS + cls]) - 1, int(c[END])
+        if not 0 <= offset <= end - MIN_EXTENT:
+            raise self._damaged(f"the free list of size class {cls} starts at offset {offset}, outside the heap's "
+                                f"{end} used bytes")
+        record = self.covering(end)[offset:offset + MIN_EXTENT].view("<u8")
         following, size = int(record[0]), int(record[1])
-        if size < need or size_class(size) != cls or offset < 0 or offset + size > int(c[END]):
-            # Not what this list holds: damage (or a writer killed between writing a record and its head). Drop
-            # the whole list rather than risk handing out bytes some row uses.
-            c[HEADS + cls] = 0
-            return None
+        # A record is written before the head (or the record) that points to it: anything else is damage, never a
+        # writer's interrupted step. Handing it out could give away bytes that some row uses.
+        if (size < max(need, MIN_EXTENT) or size_class(size) != cls or offset + size > end
+                or following > end - MIN_EXTENT + 1):
+            raise self._damaged(f"the free extent at offset {offset} (on the list of size class {cls}) records "
+                                f"{size} bytes and the next at {following - 1}: not an extent of that class inside "
+                                f"the heap's {end} used bytes")
         c[HEADS + cls] = following
         c[FREE] -= size
         start = -(-offset // align) * align
@@ -204,6 +242,31 @@ class Heap:
         self._pwrite(offset, np.array([int(c[head]), nbytes], "<u8"))  # the record first, then the head
         c[head] = offset + 1
         c[FREE] += nbytes
+
+    def free_extents(self) -> tuple[list[tuple[int, int]], str | None]:
+        """The ``(offset, size)`` of every extent on the free lists, and the first problem found walking them (an
+        entry outside the heap's used bytes, an extent of another size class, a list that loops), or None. For
+        ``verify``: reads only."""
+        c = self.counters
+        end = int(c[END])
+        buf = self.covering(end)
+        free: list[tuple[int, int]] = []
+        for cls in range(CLASSES):
+            at, hops = int(c[HEADS + cls]), 0
+            while at:
+                offset = at - 1
+                if not 0 <= offset <= end - MIN_EXTENT:
+                    return free, (f"a free list of size class {cls} points at offset {offset}, outside the heap's "
+                                  f"{end} used bytes")
+                following, size = (int(x) for x in buf[offset:offset + MIN_EXTENT].view("<u8"))
+                if size < MIN_EXTENT or size_class(size) != cls or offset + size > end:
+                    return free, (f"the free extent at offset {offset} (size class {cls}) records {size} bytes: not "
+                                  f"an extent of that class inside the heap's {end} used bytes")
+                free.append((offset, size))
+                at, hops = following, hops + 1
+                if hops > end // MIN_EXTENT:
+                    return free, f"the free list of size class {cls} is longer than the heap can hold: it loops"
+        return free, None
 
     def _reserve(self, size: int) -> bool:
         try:

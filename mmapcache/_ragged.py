@@ -40,7 +40,9 @@ def _words(index: np.ndarray) -> memoryview:
 
 
 class Torn(Exception):
-    """A ragged value's index row does not describe a value in the heap: a writer is rewriting it."""
+    """A ragged value's index row does not describe a value in the heap: a writer is rewriting it (the caller's
+    seqlock then says so, and it reads again), or the index is damaged (``RowReader`` then raises
+    ``CacheFormatError``). Never reaches a user."""
 
 
 def ragged_reader(index: np.ndarray, heap: Heap, dtype: np.dtype) -> Callable[[int], np.ndarray]:
@@ -62,8 +64,9 @@ def ragged_reader(index: np.ndarray, heap: Heap, dtype: np.dtype) -> Callable[[i
             shape = tuple(words[base + 2:base + width])
             end = offset + math.prod(shape) * itemsize
         buf = heap.buf if end <= heap.size else heap.covering(end)
-        if offset < 0 or end > offset + capacity or end > len(buf) or min(shape) < 0:
-            raise Torn
+        if offset < 0 or end > offset + capacity or end > len(buf) or min(shape) < 0 or offset % itemsize:
+            raise Torn(f"its index row [offset, extent, *shape] = {[offset, capacity, *shape]} describes no value "
+                       f"inside the heap's {len(buf)} bytes")
         return buf[offset:end].view(dtype).reshape(shape).copy()
     return read
 
@@ -77,7 +80,8 @@ def str_reader(index: np.ndarray, heap: Heap) -> Callable[[int], str]:
         end = offset + nbytes
         buf = heap.buf if end <= heap.size else heap.covering(end)
         if offset < 0 or nbytes < 0 or nbytes > capacity or end > len(buf):
-            raise Torn
+            raise Torn(f"its index row [offset, extent, length] = {[offset, capacity, nbytes]} describes no value "
+                       f"inside the heap's {len(buf)} bytes")
         return buf.data[offset:end].tobytes().decode("utf-8", TEXT_ERRORS)
     return read
 
@@ -129,14 +133,15 @@ def gather_ragged(field: Field, index: np.ndarray, heap: Heap, rows: np.ndarray,
     itemsize = field.np_dtype.itemsize
     entries = index[rows]
     offsets, capacities, shapes = entries[:, 0], entries[:, 1], entries[:, 2:]
-    counts = shapes[:, 0] if shapes.shape[1] == 1 else np.prod(shapes, axis=1)
-    ends = offsets + counts * itemsize
-    buf = heap.covering(int(ends.max()) if len(rows) else 0)
-    valid = (offsets >= 0) & (ends <= len(buf)) & (offsets % itemsize == 0) & (
-        counts * itemsize <= capacities) & (shapes >= 0).all(axis=1)
+    # Sizes in float64 first: a damaged (or torn) index row must not overflow int64 into a valid-looking extent.
+    nbytes = np.prod(shapes, axis=1, dtype=np.float64) * itemsize
+    ends = offsets + nbytes
+    sane = (offsets >= 0) & (shapes >= 0).all(axis=1) & (nbytes <= capacities) & (ends < 2.0**52)
+    buf = heap.covering(int(ends[sane].max()) if sane.any() else 0)
+    valid = sane & (ends <= len(buf)) & (offsets % itemsize == 0)
     use = readable & valid
-    counts = np.where(use, counts, 0)
     shapes = np.where(use[:, None], shapes, 0)
+    counts = shapes[:, 0] if shapes.shape[1] == 1 else np.prod(shapes, axis=1)
     total = int(counts.sum())
     elements = buf[:len(buf) - len(buf) % itemsize].view(field.np_dtype)
     first = np.where(use, offsets // itemsize, 0)

@@ -43,6 +43,7 @@ from ._layout import (
     Field,
 )
 from ._ragged import (
+    Torn,
     gather_ragged,
     one_length,
     ragged_reader,
@@ -51,7 +52,7 @@ from ._ragged import (
     torch_target,
 )
 from ._store import Store
-from .errors import UncachedFieldWarning, warn
+from .errors import CacheFormatError, UncachedFieldWarning, warn
 
 # Rows smaller than this are stored through the map (see RowReader.write_rows), larger ones with pwrite.
 _PAGE_BYTES = 4096
@@ -158,15 +159,31 @@ class RowReader:
                 return None
             try:
                 values = [read(row) for read in readers]
-            except Exception:
+            except Exception as exc:
                 # A ragged value read while a writer rewrote it (a torn offset, shape or UTF-8 sequence) fails
-                # here; the counter then says so, and the read is retried. Otherwise the error is real.
+                # here; the counter then says so, and the read is retried. A row no writer touched that cannot be
+                # read is damaged.
                 if seq[row] != before:
                     continue
-                raise
+                raise self._damaged(row, readers, exc) from (None if isinstance(exc, Torn) else exc)
             if seq[row] == before:
                 return values
         return None
+
+    def _damaged(self, row: int, readers: list[Callable[[int], Any]], exc: Exception) -> CacheFormatError:
+        """The error for a complete row that a field's reader refused (``exc``), naming the field."""
+        name = "?"
+        for field, read in zip(self.fields, readers):
+            try:
+                read(row)
+            except Exception:
+                name = field.name
+                break
+        path = self.store.path
+        why = str(exc) if isinstance(exc, Torn) else f"{type(exc).__name__}: {exc}"
+        return CacheFormatError(f"{path}: row {row}, field {name!r}: the stored value cannot be read ({why}); the "
+                                f"cache is damaged: remove it (`mmapcache rm --force {path}`) and build it again "
+                                f"(`mmapcache verify {path}` lists the damage)")
 
     def sample_from_values(self, values: list[Any]) -> Any:
         """The sample a hit would return, from what ``check(sample, index)`` returned for a miss.
@@ -185,7 +202,8 @@ class RowReader:
 
         Arrays go through ``pwrite`` (the kernel copies into the shared pages; no page faults in this process),
         scalars through the map. Ragged values get their heap room first: with none for one of them, ``NoRoom`` is
-        raised before anything is written (the sample is then served uncached).
+        raised before anything is written (the sample is then served uncached), and so is ``CacheFormatError`` for
+        a heap whose counters or this row's extent are damaged.
         """
         if self.ragged:
             self._write_ragged(row, values, owned)
@@ -228,31 +246,39 @@ class RowReader:
         store = self.store
         plan: list[tuple[int, Heap, int, int, np.ndarray, tuple[int, int]]] = []
         taken: list[tuple[Heap, int, int]] = []  # room allocated so far, given back if a later field has none
-        for n in self.ragged:
-            value = np.ascontiguousarray(values[n])
-            index, heap = store.index[n], store.heaps[n]
-            assert index is not None and heap is not None  # a ragged field has both (see Store)
-            old_offset, old_capacity = (int(index[row, 0]), int(index[row, 1])) if owned else (0, 0)
-            if owned and value.nbytes <= old_capacity and old_offset % value.itemsize == 0:
-                # In place, keeping the row's room; but a value that uses under half of it moves to a free
-                # extent that fits, if there is one, so large extents circulate to the rows that grow.
-                smaller = heap.reuse(value.nbytes, value.itemsize) if 2 * value.nbytes < old_capacity else None
-                if smaller is None:
-                    plan.append((n, heap, old_offset, old_capacity, value, (0, 0)))
+        try:
+            for n in self.ragged:
+                value = np.ascontiguousarray(values[n])
+                index, heap = store.index[n], store.heaps[n]
+                assert index is not None and heap is not None  # a ragged field has both (see Store)
+                # Damage (counters, or an index row, that describe bytes outside the heap) is refused here, before
+                # anything is written: a write past what posix_fallocate reserved would be a sparse page.
+                heap.check_counters()
+                old_offset, old_capacity = (int(index[row, 0]), int(index[row, 1])) if owned else (0, 0)
+                if owned:
+                    heap.check_extent(old_offset, old_capacity, value.itemsize, row)
+                if owned and value.nbytes <= old_capacity:
+                    # In place, keeping the row's room; but a value that uses under half of it moves to a free
+                    # extent that fits, if there is one, so large extents circulate to the rows that grow.
+                    smaller = heap.reuse(value.nbytes, value.itemsize) if 2 * value.nbytes < old_capacity else None
+                    if smaller is None:
+                        plan.append((n, heap, old_offset, old_capacity, value, (0, 0)))
+                        continue
+                    taken.append((heap, *smaller))
+                    plan.append((n, heap, *smaller, value, (old_offset, old_capacity)))
                     continue
-                taken.append((heap, *smaller))
-                plan.append((n, heap, *smaller, value, (old_offset, old_capacity)))
-                continue
-            room = heap.allocate(value.nbytes, value.itemsize, budget_left(store.heap_counters, store.heap_budget),
-                                 exact=old_capacity == 0)
-            if room is None:
-                for taken_heap, taken_offset, taken_capacity in taken:
-                    taken_heap.free(taken_offset, taken_capacity)
-                heap.counters[UNCACHED] += 1
-                self._warn_uncached(self.fields[n])
-                raise NoRoom
-            taken.append((heap, *room))
-            plan.append((n, heap, *room, value, (old_offset, old_capacity)))
+                room = heap.allocate(value.nbytes, value.itemsize,
+                                     budget_left(store.heap_counters, store.heap_budget), exact=old_capacity == 0)
+                if room is None:
+                    heap.counters[UNCACHED] += 1
+                    self._warn_uncached(self.fields[n])
+                    raise NoRoom
+                taken.append((heap, *room))
+                plan.append((n, heap, *room, value, (old_offset, old_capacity)))
+        except BaseException:
+            for taken_heap, taken_offset, taken_capacity in taken:
+                taken_heap.free(taken_offset, taken_capacity)
+            raise
         for n, heap, offset, capacity, value, _ in plan:
             heap.write(offset, value)
             store.index[n][row] = (offset, capacity, *value.shape)  # type: ignore[index]
@@ -297,17 +323,21 @@ class RowReader:
             counter = state.all_complete()
             if counter >= 0:
                 columns = self._take(rows, alloc)
-                if state.changes[0] == counter:
+                if columns is not None and state.changes[0] == counter:
                     return columns, []
         return self._gather_checked(rows, alloc, keys)
 
-    def _take(self, rows: np.ndarray, alloc: Callable[..., np.ndarray]) -> list[Any]:
-        """Every field of ``rows`` (all cacheable and complete), copied without checks."""
+    def _take(self, rows: np.ndarray, alloc: Callable[..., np.ndarray]) -> list[Any] | None:
+        """Every field of ``rows`` (all cacheable and complete), copied without checks; None if a ragged value's
+        index row describes no value (damage: the checked gather finds and reports it)."""
         columns: list[Any] = []
         n = len(rows)
         for field, data, index, heap in zip(self.fields, self.data, self.store.index, self.store.heaps):
             if heap is not None:
-                columns.append(gather_ragged(field, index, heap, rows, np.ones(n, bool)))  # type: ignore[arg-type]
+                column = gather_ragged(field, index, heap, rows, np.ones(n, bool))  # type: ignore[arg-type]
+                if not column.valid.all():
+                    return None
+                columns.append(column)
                 continue
             out = alloc((n, *field.shape), field.np_dtype)
             self._copy_rows(data, rows, out)

@@ -171,8 +171,9 @@ class Store:
                 )
             nbytes = math.prod(shape) * dtype.itemsize
             size = os.fstat(fd).st_size
-            if size < offset + nbytes:
-                raise CacheFormatError(f"{path} has {size} bytes, expected {offset + nbytes}: it is truncated; {fix}")
+            if size != offset + nbytes:
+                what = "truncated" if size < offset + nbytes else "resized (it never grows)"
+                raise CacheFormatError(f"{path} has {size} bytes, expected {offset + nbytes}: it is {what}; {fix}")
             m = mmap.mmap(fd, offset + nbytes, mmap.MAP_SHARED,
                           access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
         except BaseException:

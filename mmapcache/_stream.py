@@ -100,6 +100,23 @@ class Ring:
         self.words[HEADER + 2 * rank] = cursor + 1
         self.words[HEADER + 2 * rank + 1] = (epoch << _PROGRESS_BITS) | (k + 1)
 
+    def problems(self) -> list[str]:
+        """What in the ring's words no reader or producer could have written (for ``verify``): a rank's cursor
+        without progress, or one that is not a sequence number of the epoch its progress names, or the next."""
+        found = []
+        n = self.length
+        for rank in range(MAX_RANKS):
+            cursor, word = int(self.words[HEADER + 2 * rank]), int(self.words[HEADER + 2 * rank + 1])
+            if word == 0:
+                if cursor:
+                    found.append(f"rank {rank} has a cursor ({cursor - 1}) but never read")
+                continue
+            epoch, k = word >> _PROGRESS_BITS, (word & ((1 << _PROGRESS_BITS) - 1)) - 1
+            if not 0 <= k <= n or not epoch * n <= cursor - 1 < (epoch + 2) * n:
+                found.append(f"rank {rank}'s cursor {cursor - 1} and progress (epoch {epoch}, position {k}) do not "
+                             f"describe a place in the stream of {n} samples")
+        return found
+
     def low(self) -> int:
         """The smallest sequence number a consumer may still read (0 before any consumer started)."""
         cursors = self.words[HEADER:HEADER + 2 * MAX_RANKS:2]

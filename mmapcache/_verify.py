@@ -24,6 +24,7 @@ from ._paths import resolve_path
 from ._rows import RowMap
 from ._specs import DatasetSpec
 from ._store import Store
+from .errors import CacheFormatError
 
 __all__ = ["VerifyResult", "verify"]
 
@@ -33,7 +34,8 @@ class VerifyResult:
     """``problems``: damage found in the files; ``differences``: stored samples unequal to the source's;
     ``mismatch``: why the given source cannot be the cache's (another length: not damage, another source);
     ``compared``: rows compared with the source; ``interrupted``: rows a dead writer left mid-write (they count
-    as unfilled and will be written again: not damage)."""
+    as unfilled and will be written again: not damage); ``uncomparable``: why a given source was not compared
+    (a source recorded as not deterministic, a stream)."""
 
     path: str
     rows: int = 0
@@ -43,6 +45,7 @@ class VerifyResult:
     problems: list[str] = dataclasses.field(default_factory=list)
     differences: list[str] = dataclasses.field(default_factory=list)
     mismatch: str | None = None
+    uncomparable: str | None = None  # why samples were not compared with the given source (not a problem)
 
     @property
     def ok(self) -> bool:
@@ -71,7 +74,12 @@ def verify(path: str | os.PathLike[str], dataset: Any = None, *, kwargs: dict[st
     entries = _check_entries(path)
     if entries:
         return VerifyResult(path, problems=entries)
-    store = Store(path, writable=False)
+    if os.path.isdir(path) and not os.path.lexists(os.path.join(path, fmt.META)):
+        fmt.read_meta(path)  # not a cache at all (no meta.json): the error says so, and is not damage
+    try:
+        store = Store(path, writable=False)
+    except CacheFormatError as exc:  # damage found while opening: a finding, like the others
+        return VerifyResult(path, problems=[str(exc)])
     result = VerifyResult(path, rows=store.rows)
     try:
         store.attach()  # a user while it reads: `mmapcache rm` without --force refuses to remove it meanwhile
@@ -80,8 +88,13 @@ def verify(path: str | os.PathLike[str], dataset: Any = None, *, kwargs: dict[st
             if len(dataset) != store.length:
                 result.mismatch = (f"the source has {len(dataset)} samples, the cache {store.length}: the cache was "
                                    "made from another source (or other --kwargs); nothing was compared")
+            elif not store.meta["deterministic"] or store.meta["mode"] == "stream":
+                result.uncomparable = ("its source is recorded as not deterministic" if store.meta["mode"] == "cache"
+                                       else "a stream keeps no sample for good")
             else:
                 _compare(store, dataset, samples, seed, result)
+    except CacheFormatError as exc:
+        result.problems.append(str(exc))
     finally:
         store.close()
         store.detach()
@@ -117,6 +130,8 @@ def _check_state(store: Store, result: VerifyResult) -> None:
     complete = filled_bit & ~odd
     _check_keys(store, complete, result)
     _check_heaps(store, complete, result)
+    if store.meta["mode"] == "stream":
+        _check_ring(store, result)
     for field, shapes, spec in zip(store.layout.fields, store.shapes, store.meta["fields"]):
         if shapes is None:
             continue
@@ -130,41 +145,65 @@ def _check_state(store: Store, result: VerifyResult) -> None:
 
 
 def _check_keys(store: Store, complete: np.ndarray, result: VerifyResult) -> None:
-    """A filled row's key must be the source index its slot holds (for a rotating share: of some generation's
-    share, which only the key says; not checked here)."""
-    rowmap = RowMap.of(store)
-    if rowmap.keyed or store.meta["mode"] != "cache":
-        return
+    """A complete row's key must be the source index its slot holds; in a rotating share, some source index (which
+    generation filled the row, only the key says); in a stream, a sequence number ``q`` of this row (``q % S``)."""
     rows = np.flatnonzero(complete)
-    expected, _ = rowmap.index_and_variant(rows)
-    wrong = store.state.keys_np[rows] != expected
+    keys = store.state.keys_np[rows]
+    rowmap = RowMap.of(store)
+    if store.meta["mode"] == "stream":
+        wrong = (keys < 0) | (keys % max(1, store.slots) != rows)
+        expected = "a sequence number of this row (key % slots == row)"
+    elif rowmap.keyed:
+        wrong = (keys < 0) | (keys >= store.length)
+        expected = f"a source index in [0, {store.length})"
+    else:
+        indices, _ = rowmap.index_and_variant(rows)
+        wrong = keys != indices
+        expected = "the index {} of their slot"
     if wrong.any():
-        row = int(rows[np.argmax(wrong)])
-        result.problems.append(f"{store.path}/{fmt.KEYS}: {int(wrong.sum())} filled row(s) (first: {row}) hold the key "
-                               f"{int(store.state.keys_np[row])}, not the index {int(expected[np.argmax(wrong)])} of "
-                               "their slot: the file is damaged")
+        k = int(np.argmax(wrong))
+        expected = expected.format(int(indices[k])) if "{}" in expected else expected
+        result.problems.append(f"{store.path}/{fmt.KEYS}: {int(wrong.sum())} filled row(s) (first: {int(rows[k])}) "
+                               f"hold the key {int(keys[k])}, not {expected}: the file is damaged")
+
+
+def _check_ring(store: Store, result: VerifyResult) -> None:
+    """A stream's ring (``ring.u64``): its size, and each reader's cursor consistent with its progress."""
+    from ._stream import Ring
+
+    ring = Ring(store)  # checks the file's size (CacheFormatError: reported by the caller)
+    try:
+        result.problems += [f"{store.path}/{fmt.RING}: {problem}: the file is damaged" for problem in ring.problems()]
+    finally:
+        ring.close()
 
 
 def _check_heaps(store: Store, complete: np.ndarray, result: VerifyResult) -> None:
-    """Every complete row's value lies in its extent, inside the heap's used part, with its field's fixed
-    dimensions; no two rows' extents overlap; the free lists hold what their counter says."""
-    from ._heap import END, FREE, HEADS, MIN_EXTENT
+    """Per ragged field: the heap's counters fit its file; every complete row's value lies in its extent, inside
+    the heap's used part, with its field's fixed dimensions; no two rows' extents overlap; the free lists lie in
+    the heap, hold extents of their size class, and as many bytes as their counter says."""
+    from ._heap import END, FREE
 
     rows = np.flatnonzero(complete)
-    number = 0
     for field, index, heap, spec in zip(store.layout.fields, store.index, store.heaps, store.meta["fields"]):
         if heap is None or index is None:
             continue
-        counters = store.heap_counters[number]
-        number += 1
+        try:
+            heap.check_counters()
+        except CacheFormatError as exc:
+            result.problems.append(str(exc))
+            continue
+        counters = heap.counters
         where = f"{store.path}/{spec['index_file']}"
         end = int(counters[END])
         entries = index[rows]
         offsets, capacities, shapes = entries[:, 0], entries[:, 1], entries[:, 2:]
-        nbytes = np.prod(shapes, axis=1) * field.np_dtype.itemsize if len(rows) else capacities
+        # In float64: a damaged row must not overflow int64 into a plausible size.
+        nbytes = np.prod(shapes, axis=1, dtype=np.float64) * field.np_dtype.itemsize
         fixed = np.array([d if d >= 0 else -1 for d in field.shape])
-        bad = (offsets < 0) | (shapes < 0).any(axis=1) | (nbytes > capacities) | ((offsets + capacities > end) & (
-            capacities > 0)) | ((fixed >= 0) & (shapes != fixed)).any(axis=1)
+        bad = (offsets < 0) | (capacities < 0) | (shapes < 0).any(axis=1) | (nbytes > capacities) | (
+            (offsets.astype(np.float64) + capacities > end) & (capacities > 0)) | (
+            offsets % field.np_dtype.itemsize != 0) | ((fixed >= 0) & (shapes != fixed)).any(axis=1)
         if bad.any():
             k = int(np.argmax(bad))
             result.problems.append(f"{where}: row {int(rows[k])} holds [offset, extent, *shape] "
@@ -172,54 +211,61 @@ def _check_heaps(store: Store, complete: np.ndarray, result: VerifyResult) -> No
                                    f"{end} used bytes: the file is damaged")
             continue
         extents = sorted((int(a), int(n)) for a, n in zip(offsets, capacities) if n)
-        free, free_bytes = [], 0
-        buf = heap.covering(end)
-        for cls in range(len(counters) - HEADS):
-            at, hops = int(counters[HEADS + cls]), 0
-            while at and hops <= len(buf) // MIN_EXTENT:
-                following, size = (int(x) for x in buf[at - 1:at - 1 + 16].view("<u8"))
-                free.append((at - 1, size))
-                free_bytes += size
-                at, hops = following, hops + 1
+        free, problem = heap.free_extents()
+        if problem:
+            result.problems.append(f"{store.path}/{spec['heap']}: {problem}: the file or {fmt.HEAPS} is damaged")
+            continue
         overlap = [(a, b) for a, b in itertools.pairwise(sorted(extents + free)) if a[0] + a[1] > b[0]]
         if overlap:
             result.problems.append(f"{store.path}/{spec['heap']}: extents {overlap[0][0]} and {overlap[0][1]} "
                                    "(offset, bytes) overlap: two rows, or a row and a free list, share bytes; the "
                                    "file is damaged")
-        elif free_bytes != int(counters[FREE]):
-            result.problems.append(f"{store.path}/{fmt.HEAPS}: field {field.name!r}'s free lists hold {free_bytes} "
-                                   f"bytes, its counter says {int(counters[FREE])}: the file is damaged")
+        elif sum(size for _, size in free) != int(counters[FREE]):
+            result.problems.append(f"{store.path}/{fmt.HEAPS}: field {field.name!r}'s free lists hold "
+                                   f"{sum(size for _, size in free)} bytes, its counter says {int(counters[FREE])}: "
+                                   "the file is damaged")
 
 
 def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, result: VerifyResult) -> None:
+    """Recomputes the samples of filled rows (``samples`` source indices chosen at random, all their variants; None:
+    every one) and compares them byte for byte. A rotating share's row is compared with the sample its key names."""
     from ._reader import RowReader
 
     reader = RowReader(store, recompute_stale=False)
     rowmap = RowMap.of(store)
     k = store.variants
-    filled = store.state.filled_rows(np.arange(store.rows, dtype=np.int64))
-    slots = np.flatnonzero(filled.reshape(store.slots, k).any(axis=1)) if store.rows else np.zeros(0, np.int64)
-    if samples is not None and samples < len(slots):
-        slots = np.sort(np.random.default_rng(seed).choice(slots, size=samples, replace=False))
+    rows = np.flatnonzero(store.state.filled_rows(np.arange(store.rows, dtype=np.int64)))
+    variants = rows % k
+    if rowmap.keyed:
+        indices = store.state.keys_np[rows]
+        keep = (indices >= 0) & (indices < store.length)  # others are reported by _check_keys
+        rows, indices, variants = rows[keep], indices[keep], variants[keep]
+    else:
+        indices = rowmap.index_and_variant(rows)[0]
+    chosen = np.unique(indices)
+    if samples is not None and samples < len(chosen):
+        chosen = np.random.default_rng(seed).choice(chosen, size=samples, replace=False)
+        keep = np.isin(indices, chosen)
+        rows, indices, variants = rows[keep], indices[keep], variants[keep]
     set_epoch = getattr(dataset, "set_epoch", None) if k > 1 else None
-    for slot, index in zip(slots.tolist(), rowmap.indices_of_slots(slots).tolist()):
-        for variant in range(k):
-            row = rowmap.row_at(slot, variant)
-            if not filled[row]:
-                continue
-            stored = reader.read_values(row)
-            if stored is None:
-                continue  # being rewritten right now
-            if set_epoch is not None:
-                set_epoch(variant)
-            try:
-                fresh = reader.check(dataset[index], index)
-            except Exception as exc:
-                result.differences.append(f"sample {index}: the source raised {type(exc).__name__}: {exc}")
-                continue
-            result.compared += 1
-            field = differing_field(store.layout, stored, fresh)
-            if field is not None:
-                where = f"sample {index}" + (f" variant {variant}" if k > 1 else "")
-                result.differences.append(f"{where} (row {row}), field {field!r}: the stored value differs from the "
-                                          "source's")
+    for row, index, variant in zip(rows.tolist(), indices.tolist(), variants.tolist()):
+        try:
+            stored = reader.read_values(row, index if rowmap.keyed else -1)
+        except CacheFormatError as exc:  # a value that cannot be read: reported, and the others compared
+            result.problems.append(str(exc))
+            continue
+        if stored is None:
+            continue  # being rewritten right now
+        if set_epoch is not None:
+            set_epoch(variant)
+        try:
+            fresh = reader.check(dataset[index], index)
+        except Exception as exc:
+            result.differences.append(f"sample {index}: the source raised {type(exc).__name__}: {exc}")
+            continue
+        result.compared += 1
+        field = differing_field(store.layout, stored, fresh)
+        if field is not None:
+            where = f"sample {index}" + (f" variant {variant}" if k > 1 else "")
+            result.differences.append(f"{where} (row {row}), field {field!r}: the stored value differs from the "
+                                      "source's")

@@ -249,15 +249,19 @@ def test_lock_replaced_by_a_directory(filled_cache: str) -> None:
 
 
 def test_odd_counter_with_filled_bit_is_a_miss_and_is_recomputed(filled_cache: str) -> None:
-    # A writer killed mid-write during a rewrite leaves the filled bit set and an odd counter.
+    # A writer killed mid-write during a rewrite leaves the filled bit set and an odd counter, and the cache-wide
+    # counter odd (it dies inside the change).
     seq = np.memmap(_file(filled_cache, "seq.u32"), dtype="<u4", mode="r+")
+    changes = np.memmap(_file(filled_cache, "changes.u64"), dtype="<u8", mode="r+")
     data = np.load(_file(filled_cache, "0.npy"), mmap_mode="r+")
     assert seq[3] == 2
     seq[3] = 3
+    changes[0] |= 1
     data[3] = 0xAA  # the half-written bytes
     seq.flush()
+    changes.flush()
     data.flush()
-    del seq, data
+    del seq, changes, data
     with MmapCachedDataset(filled_cache) as ds:
         assert not ds.is_cached(3)
         with pytest.raises(SampleNotCachedError, match="sample 3 is not in the cache"):
@@ -276,9 +280,12 @@ def test_odd_counter_with_filled_bit_is_a_miss_and_is_recomputed(filled_cache: s
 
 def test_odd_counter_is_refilled_by_fill(filled_cache: str) -> None:
     seq = np.memmap(_file(filled_cache, "seq.u32"), dtype="<u4", mode="r+")
+    changes = np.memmap(_file(filled_cache, "changes.u64"), dtype="<u8", mode="r+")
     seq[4] = 5
+    changes[0] |= 1  # the writer died inside its change
     seq.flush()
-    del seq
+    changes.flush()
+    del seq, changes
     with MmapCachedDataset(filled_cache, ImageLabels(N)) as ds:
         assert ds.fill(range(6)) == 1
     _, _, seq = fw.raw_rows(filled_cache)
