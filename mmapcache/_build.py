@@ -112,10 +112,11 @@ def build(
             ``refresh``), polling every 0.5 s, until interrupted (KeyboardInterrupt; the CLI maps SIGTERM to it).
             For a stream: produce until interrupted (required).
         fail_fast: stop at the first sample whose source raises.
-        deterministic: whether the source returns the same sample for the same index every time. Without a
-            fingerprint, opening an existing cache recomputes its first sample and refuses the cache if the bytes
-            differ (a changed source); a source with random augmentation, or one that changed on purpose before a
-            ``refresh``, is declared ``deterministic=False`` (its layout is still checked).
+        deterministic: whether the source returns the same sample for the same index every time; recorded when
+            this call creates the cache. Without a fingerprint, opening an existing cache recomputes its first
+            sample and a few other stored ones and refuses the cache if the bytes differ (a changed source); a
+            source with random augmentation, or one that changed on purpose before a ``refresh``, is declared
+            ``deterministic=False`` (its layout is still checked), here or when the cache was created.
         progress: print progress to ``out`` (a tqdm bar on a terminal, else a line every 5 s).
         out: stream for progress (default ``sys.stdout``).
 

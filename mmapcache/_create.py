@@ -99,6 +99,7 @@ def create(
     ragged_bytes: int = 0,
     share: dict[str, Any] | None = None,
     stream: dict[str, Any] | None = None,
+    deterministic: bool = True,
 ) -> None:
     """Creates a cache at ``path`` atomically. The caller holds ``parent_lock(path)`` and checked it is absent.
 
@@ -131,7 +132,7 @@ def create(
         meta = fmt.make_meta(
             layout, length=length, slots=slots, variants=variants, has_slot_index=slot_index is not None,
             fingerprint=fingerprint, delete_on_close=delete_on_close, library_version=library_version,
-            heap_budget=heap_budget, share=share, stream=stream,
+            heap_budget=heap_budget, share=share, stream=stream, deterministic=deterministic,
         )
         for field, spec in zip(layout.fields, meta["fields"]):
             if field.ragged:

@@ -18,7 +18,7 @@ ring map samples to rows differently: see their sections.)
 
 ``meta.json`` (UTF-8 JSON, written once at creation, never modified)::
 
-    {"magic": "mmapcache", "format_version": 2, "library_version": "0.2.0",
+    {"magic": "mmapcache", "format_version": 2, "library_version": "0.3.0",
      "created": "2026-11-23T03:00:00Z",      # UTC, ISO 8601
      "mode": "cache" | "stream",             # see "Stream mode"
      "share": null | {...},                  # this node's share of the indices, see "Node shares"
@@ -26,6 +26,8 @@ ring map samples to rows differently: see their sections.)
      "length": N, "slots": S, "variants": K, "rows": R,
      "slot_index": null | "slot_index.npy",  # which source index each slot holds, when not a prefix
      "fingerprint": null | "<str>",          # caller's identification of the source
+     "deterministic": true | false,          # whether the source returns the same sample for the same index
+                                             #   (absent in caches made before 0.3: true)
      "delete_on_close": false,               # remove the cache when its last user detaches
      "heap_budget": null | <int>,            # bytes all heaps together may reserve (from max_bytes)
      "structure": {...},                     # the container tree: {"tuple": [...]}, {"list": [...]},
@@ -74,7 +76,8 @@ Ragged fields (``ragged`` true: ``str``, ``bytes``, json, 1-D lists of numbers, 
 How writers use the heap (``_heap`` has the details): a row's first value gets an extent of exactly its size at
 ``end``; a rewrite stays in place when it fits the row's extent and uses at least half of it, else moves to an
 extent from the free lists or at ``end`` (sized to its class), and frees the old one. ``end`` grows the file
-first by ``max(16 KiB, capacity / 16)`` (within ``heap_budget``). With no room (the file system, or the budget),
+first by ``max(16 KiB, capacity / 16)`` (within ``heap_budget``, and past what the value needs by at most half
+of what the budget has left, which the ragged fields share). With no room (the file system, or the budget),
 the row is not stored and ``uncached`` counts it. A reader maps a heap at its size when it opens it, and maps it
 again when a row's value ends past the mapped size.
 
@@ -154,6 +157,8 @@ Format history
    ``metadata``); ``keys.i64``, ``heaps.u64``, ``changes.u64``, ``heap_budget``; node shares (``share``); stream
    mode (``mode``, ``stream``, ``ring.u64``, ``producers``). A version-1 cache is refused with a message to
    rebuild it (a cache is derived data; reading both would double the read path).
+   Since mmapcache 0.3, ``meta.json`` records ``deterministic`` (readers of 0.2 ignore it; a cache without it
+   reads as ``true``): a compatible addition, not a new version.
 """
 
 from __future__ import annotations
@@ -228,6 +233,7 @@ def make_meta(
     heap_budget: int | None = None,
     share: dict[str, Any] | None = None,
     stream: dict[str, Any] | None = None,
+    deterministic: bool = True,
 ) -> dict[str, Any]:
     fields = [{**field.to_json(), **files} for field, files in zip(layout.fields, field_files(layout))]
     return {
@@ -244,6 +250,7 @@ def make_meta(
         "rows": slots * variants,
         "slot_index": SLOT_INDEX if has_slot_index else None,
         "fingerprint": fingerprint,
+        "deterministic": deterministic,
         "delete_on_close": delete_on_close,
         "heap_budget": heap_budget,
         "structure": layout.structure,
@@ -309,6 +316,8 @@ def _check_meta(meta: dict[str, Any]) -> None:
         raise ValueError(f"mode {meta['mode']!r} is not one of {MODES}")
     _check_share(meta)
     _check_stream(meta)
+    if type(meta.setdefault("deterministic", True)) is not bool:
+        raise ValueError(f"deterministic must be true or false, found {meta['deterministic']!r}")
     if meta["heap_budget"] is not None and (not isinstance(meta["heap_budget"], int) or meta["heap_budget"] < 0):
         raise ValueError(f"heap_budget must be null or a non-negative integer, found {meta['heap_budget']!r}")
     for key in ("length", "slots", "variants", "rows"):

@@ -5,11 +5,13 @@ creates one. The checks, cheapest first:
 
 1. recorded facts: length, fingerprint, variants, the cacheable indices (``max_bytes``/``cache_indices``) and the
    declared ``max_shapes``;
-2. the stored first sample, when the opener gives no fingerprint: the source computes it again, and its layout
-   and bytes must equal the stored copy (a changed source without a fingerprint would otherwise be served stale).
-   A fingerprint that matches is trusted instead, so a warm rerun with a fingerprint calls the source 0 times.
-   Sources declared non-deterministic, and caches of several variants (a random source by design), are checked
-   for layout only; a fingerprinted cache then needs the fingerprint.
+2. stored samples, when the opener gives no fingerprint: the source computes again the cache's first sample and
+   up to ``_COMPARED`` other stored ones, chosen at random on every open, and their layout and bytes must equal
+   the stored copies (a changed source without a fingerprint would otherwise be served stale). A fingerprint that
+   matches is trusted instead, so a warm rerun with a fingerprint calls the source 0 times. Sources declared
+   non-deterministic, when the cache was created (recorded in ``meta.json``) or by this opener, and caches of
+   several variants (a random source by design), are checked for layout only; a fingerprinted cache then needs
+   the fingerprint.
 
 Creation happens under the parent directory's lock (``_create.parent_lock``): the first opener computes the
 first sample there, stores it in the cache under its temporary name, and renames the cache into place; openers
@@ -44,7 +46,7 @@ from ._share import Share
 from ._store import Store
 from ._stream import Ring, epoch_order
 from ._version import __version__
-from .errors import CacheMismatchError, CacheNotFoundError, LayoutError
+from .errors import CacheMismatchError, CacheNotFoundError, InsufficientSpaceError, LayoutError
 
 __all__ = ["Source", "Request", "open_cache", "identity"]
 
@@ -223,6 +225,16 @@ def _create_locked(request: Request, source: Source) -> None:
                 ring = Ring(store)
                 try:
                     ring.publish_first(functools.partial(reader.write, 0, values))
+                except NoRoom:
+                    ragged = [f.name for f in layout.ragged]
+                    if heap_budget is None:
+                        raise InsufficientSpaceError(
+                            f"the file system of {request.path} has no room for the stream's first sample "
+                            f"({ragged_bytes} bytes in its ragged fields {ragged}); free space") from None
+                    raise ValueError(
+                        f"max_bytes={options.max_bytes} leaves {heap_budget} bytes for the ragged fields {ragged}, "
+                        f"too few for the stream's first sample ({ragged_bytes} bytes in them); raise max_bytes"
+                    ) from None
                 finally:
                     ring.close()
                 return
@@ -247,7 +259,7 @@ def _create_locked(request: Request, source: Source) -> None:
         fingerprint=request.fingerprint, delete_on_close=request.delete_on_close, library_version=__version__,
         prepare=store_first, heap_budget=heap_budget, ragged_bytes=ragged_bytes,
         share=None if options.share is None else options.share.to_json(),
-        stream={"seed": request.seed} if options.stream else None,
+        stream={"seed": request.seed} if options.stream else None, deterministic=source.deterministic,
     )
 
 
@@ -326,32 +338,57 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
     return _sample_mismatch(store, request, source)
 
 
+# Without a fingerprint, an opener computes again the cache's first sample and this many more stored ones, chosen
+# afresh at random on every open (a source changed on only some samples is caught by some opener, not by all).
+_COMPARED = 3
+
+
 def _sample_mismatch(store: Store, request: Request, source: Source) -> str | None:
+    """Why ``source`` is not the source of ``store``'s samples, comparing recomputed samples with stored ones (see
+    the module docstring), or None."""
     rows = RowMap.of(store, variant_choice=request.variant_choice, seed=request.seed)
-    index = int(rows.cacheable()[0]) if rows.slots else 0
-    sample = source.fetch(index)
+    first = int(rows.cacheable()[0]) if rows.slots else 0
     reader = RowReader(store, recompute_stale=True)
     try:
-        fresh = source.values(reader, sample, index)
+        fresh = source.values(reader, source.fetch(first), first)
     except LayoutError as exc:
         return f"the sample layout differs ({exc})"
-    comparable = source.deterministic and store.variants == 1 and store.meta["mode"] == "cache"
-    if not comparable:
+    recorded = store.meta["deterministic"]
+    if not (source.deterministic and recorded and store.variants == 1 and store.meta["mode"] == "cache"):
         if meta_fingerprint := store.meta["fingerprint"]:
-            why = "declared non-deterministic" if not source.deterministic else \
+            why = "declared non-deterministic" if not (source.deterministic and recorded) else \
                 "several variants" if store.variants > 1 else "a stream keeps no sample for good"
             return (f"fingerprint {meta_fingerprint!r} in the cache, none given, and the source cannot be compared "
                     f"sample by sample ({why}); pass fingerprint={meta_fingerprint!r}")
         return None
-    stored = reader.read_values(rows.row(index, 0)) if rows.slots else None
-    if stored is None:
-        return None  # not stored (yet), or being rewritten: nothing to compare with
-    field = differing_field(store.layout, stored, fresh)
-    if field is None:
-        return None
-    return (f"sample {index} computed now differs from the stored copy in field {field!r} (a changed source, or "
-            "one that is not deterministic); give the source a fingerprint= that changes with it, or declare a "
-            "random source with deterministic=False")
+    compared = [(first, rows.row(first, 0))] if rows.slots else []
+    for index, row in compared + _stored_rows(store, rows, first):
+        if index != first:
+            fresh = source.values(reader, source.fetch(index), index)
+        # A row being rewritten, or holding another generation's sample (a rotating share): nothing to compare.
+        stored = reader.read_values(row, index if rows.keyed else -1) if row >= 0 else None
+        if stored is None:
+            continue
+        field = differing_field(store.layout, stored, fresh)
+        if field is not None:
+            return (f"sample {index} computed now differs from the stored copy in field {field!r} (a changed source, "
+                    "or one that is not deterministic); give the source a fingerprint= that changes with it, or "
+                    "declare a random source with deterministic=False")
+    return None
+
+
+def _stored_rows(store: Store, rows: RowMap, first: int) -> list[tuple[int, int]]:
+    """Up to ``_COMPARED`` ``(source index, row)`` of stored samples other than ``first``, chosen at random."""
+    state = store.state
+    complete = np.flatnonzero(state.filled_mask() & ~state.stale_mask())
+    # A rotating share's row holds the sample its key names, of whichever generation filled it.
+    indices = state.keys_np[complete] if rows.keyed else rows.index_and_variant(complete)[0]
+    keep = (indices != first) & (indices >= 0) & (indices < store.length)
+    complete, indices = complete[keep], indices[keep]
+    if len(complete) > _COMPARED:
+        chosen = np.random.default_rng().choice(len(complete), _COMPARED, replace=False)
+        complete, indices = complete[chosen], indices[chosen]
+    return list(zip(indices.tolist(), complete.tolist()))
 
 
 def _mismatch_message(path: str, problem: str, just_created: bool = False) -> str:

@@ -176,6 +176,10 @@ def _parser() -> _Parser:
     p.add_argument("--ragged", metavar="FIELDS",
                    help="on creation, fields whose shape varies, packed at each value's size: 'auto' (found from 8 "
                         "samples) or field paths, e.g. 'input_ids,boxes'")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="on creation, record whether the source returns the same sample for an index every time "
+                        "(default); --no-deterministic for random augmentation: openers then compare layouts, not "
+                        "bytes, and verify compares nothing")
     p.add_argument("--refresh", type=_fraction, metavar="FRACTION",
                    help="first mark this fraction of filled rows stale, then refill them")
     p.add_argument("--seed", type=int, metavar="N",
@@ -290,6 +294,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
             fingerprint=args.fingerprint, max_bytes=args.max_bytes, variants=args.variants,
             max_shapes=_max_shapes(args.max_shapes), refresh=args.refresh, ragged=_ragged(args.ragged),
             follow=args.follow, fail_fast=args.fail_fast, seed=args.seed, progress=True,
+            deterministic=args.deterministic,
             node_share=args.node_share, rotate_every=args.rotate_every, share_seed=args.share_seed,
             stream=args.stream, stream_seed=args.stream_seed,
         )
@@ -392,6 +397,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"mmapcache: ... and {len(result.differences) - 20} more differences", file=sys.stderr)
     compared = f", {result.compared} compared with the source" if dataset is not None else \
         " (format only; pass --source to compare samples)"
+    if result.uncomparable:
+        compared = f" (format only: {result.uncomparable}, so samples cannot be compared with a source)"
     interrupted = f", {result.interrupted} interrupted mid-write (will be refilled)" if result.interrupted else ""
     verdict = "ok" if result.ok else "another source" if result.mismatch else \
         f"{len(result.problems)} problem(s), {len(result.differences)} difference(s)"

@@ -92,10 +92,12 @@ class MmapCachedDataset(Dataset):
         wait_timeout: see ``on_miss``.
         delete_on_close: remove the cache when the last process using it closes it or exits.
         check_finite: refuse (ValueError, nothing stored) samples with NaN or infinite floating-point values.
-        deterministic: whether the source returns the same sample for the same index every time (default True).
-            An opener without a fingerprint recomputes the cache's first sample and compares it byte for byte
-            with the stored copy, so a changed source is refused instead of served stale; declare a source with
-            random augmentation ``deterministic=False`` (then only its layout is compared), or give a fingerprint.
+        deterministic: whether the source returns the same sample for the same index every time (default True;
+            recorded when this opener creates the cache). An opener without a fingerprint recomputes the cache's
+            first sample and 3 other stored ones (chosen at random on each open) and compares them byte for byte
+            with the stored copies, so a changed source is refused instead of served stale; declare a source with
+            random augmentation ``deterministic=False`` (then only its layout is compared, by every later opener
+            too), or give a fingerprint.
 
     Attributes:
         path: the resolved cache directory.
