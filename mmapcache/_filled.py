@@ -196,7 +196,7 @@ class SlotState:
         self.changes[0] = counter | 1
 
     def _end_change_locked(self) -> None:
-        self.changes[0] = self.changes[0] + 1
+        self.changes[0] = (self.changes[0] + 1) & 0xFFFFFFFFFFFFFFFF  # wraps (from a damaged odd 2**64 - 1)
 
     def filled_mask(self) -> np.ndarray:
         """Boolean array over all rows: filled bit set."""

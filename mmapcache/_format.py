@@ -171,7 +171,22 @@ import re
 from typing import Any
 
 from ._files import open_file
-from ._layout import BYTE_KINDS, JSON, KINDS, Layout, fold
+from ._layout import (
+    BOOL,
+    BYTE_KINDS,
+    BYTES,
+    FLOAT,
+    INT,
+    JSON,
+    KINDS,
+    MAX_DIMS,
+    NPBYTES,
+    NPSCALAR,
+    NPSTR,
+    STR,
+    Layout,
+    fold,
+)
 from .errors import CacheFormatError
 
 MAGIC = "mmapcache"
@@ -321,8 +336,8 @@ def _check_meta(meta: dict[str, Any]) -> None:
     if meta["heap_budget"] is not None and (not isinstance(meta["heap_budget"], int) or meta["heap_budget"] < 0):
         raise ValueError(f"heap_budget must be null or a non-negative integer, found {meta['heap_budget']!r}")
     for key in ("length", "slots", "variants", "rows"):
-        if not isinstance(meta[key], int) or meta[key] < 0:
-            raise ValueError(f"{key!r} must be a non-negative integer, found {meta[key]!r}")
+        if type(meta[key]) is not int or not 0 <= meta[key] <= MAX_COUNT:
+            raise ValueError(f"{key!r} must be an integer in [0, 2**48], found {meta[key]!r}")
     if meta["rows"] != meta["slots"] * meta["variants"] or meta["slots"] > meta["length"] or meta["variants"] < 1:
         raise ValueError(f"inconsistent sizes: length {meta['length']}, slots {meta['slots']}, variants "
                          f"{meta['variants']}, rows {meta['rows']}")
@@ -336,8 +351,7 @@ def _check_meta(meta: dict[str, Any]) -> None:
                                                                       for d in field.shape):
             raise ValueError(f"field {field.name!r}: bad kind {field.kind!r}, dtype {field.dtype!r} or shape "
                              f"{field.shape}")
-        if field.ragged == bool(meta["fields"][number]["file"]) or (field.kind in BYTE_KINDS and not field.ragged):
-            raise ValueError(f"field {field.name!r}: ragged {field.ragged} does not match its files")
+        _check_field(field, meta["fields"][number])
         if field.metadata is not None and not (
                 type(field.metadata) is int and 0 <= field.metadata < len(layout.fields)
                 and layout.fields[field.metadata].kind == JSON and field.tensor_class is not None):
@@ -362,6 +376,44 @@ def _check_meta(meta: dict[str, Any]) -> None:
                 raise ValueError(f"field {field['name']!r}: its {key} {name!r} is also {used[name]}")
             if name is not None:
                 used[name] = f"the {key} of field {field['name']!r}"
+
+
+# What each kind of leaf is stored as (see above): its dtype, when it has one fixed dtype, and its dimensions.
+_KIND_DTYPES = {INT: "<i8", FLOAT: "<f8", BOOL: "|b1", STR: "|u1", BYTES: "|u1", JSON: "|u1", NPSTR: "|u1",
+                NPBYTES: "|u1"}
+_SCALAR_KINDS = (INT, FLOAT, BOOL, NPSCALAR)
+# torch dtypes and their item sizes: a tensor field's storage dtype has the same width.
+_TORCH_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
+                   "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4,
+                   "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+                   "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1}
+# Lengths, slots and rows above this are not a real cache's (and would make readers allocate without bound).
+MAX_COUNT = 1 << 48
+
+
+def _check_field(field: Any, spec: dict[str, Any]) -> None:
+    """A field's entry describes what a writer of this version writes: a kind with its dtype and dimensions, one
+    storage (fixed rows, ``max_shapes`` rows, or a heap) with the files it needs, and nothing contradictory."""
+    problem = None
+    files = {key: spec.get(key) for key in ("file", "shape_file", "heap", "index_file")}
+    if field.ragged and field.variable:
+        problem = "both ragged and variable"
+    elif field.ragged != (files["file"] is None) or field.ragged != (files["heap"] is not None) or (
+            field.ragged != (files["index_file"] is not None)) or field.variable != (files["shape_file"] is not None):
+        problem = f"its files {files} do not match ragged={field.ragged}, variable={field.variable}"
+    elif field.kind in _KIND_DTYPES and field.dtype != _KIND_DTYPES[field.kind]:
+        problem = f"kind {field.kind!r} is stored as {_KIND_DTYPES[field.kind]!r}, not {field.dtype!r}"
+    elif field.kind in BYTE_KINDS and (not field.ragged or len(field.shape) != 1):
+        problem = f"kind {field.kind!r} is stored ragged with one dimension"
+    elif field.kind in _SCALAR_KINDS and (field.shape or field.ragged or field.variable):
+        problem = f"kind {field.kind!r} is a scalar, stored in fixed rows"
+    elif field.torch_dtype is not None and _TORCH_ITEMSIZE.get(field.torch_dtype, field.np_dtype.itemsize) != (
+            field.np_dtype.itemsize):
+        problem = f"torch_dtype {field.torch_dtype!r} is not stored as {field.dtype!r}"
+    elif field.np_dtype.kind not in "biufc" or len(field.shape) > MAX_DIMS:
+        problem = f"dtype {field.dtype!r} or {len(field.shape)} dimensions cannot be stored"
+    if problem is not None:
+        raise ValueError(f"field {field.name!r}: {problem}")
 
 
 def _is_count(value: Any, low: int = 0) -> bool:

@@ -129,8 +129,10 @@ class Heap:
             raise self._damaged(f"its counters in heaps.u64 say {end} bytes are in use of {capacity} reserved, but "
                                 f"the file has {size} bytes (need used <= reserved <= file size): the file or "
                                 "heaps.u64 is truncated or overwritten")
-        if free > end:
-            raise self._damaged(f"its counters in heaps.u64 say {free} bytes are free of {end} in use")
+        abandoned, uncached = int(c[ABANDONED]), int(c[UNCACHED])
+        if free + abandoned > end or uncached >= 1 << 63:
+            raise self._damaged(f"its counters in heaps.u64 say {free} bytes are free and {abandoned} abandoned of "
+                                f"{end} in use, and {uncached} samples were not stored")
 
     def check_extent(self, offset: int, capacity: int, align: int, row: int) -> None:
         """Raises ``CacheFormatError`` unless ``[offset, offset + capacity)``, row ``row``'s extent as its index
@@ -219,7 +221,7 @@ class Heap:
         # A record is written before the head (or the record) that points to it: anything else is damage, never a
         # writer's interrupted step. Handing it out could give away bytes that some row uses.
         if (size < max(need, MIN_EXTENT) or size_class(size) != cls or offset + size > end
-                or following > end - MIN_EXTENT + 1):
+                or following > end - MIN_EXTENT + 1 or size > int(c[FREE])):
             raise self._damaged(f"the free extent at offset {offset} (on the list of size class {cls}) records "
                                 f"{size} bytes and the next at {following - 1}: not an extent of that class inside "
                                 f"the heap's {end} used bytes")

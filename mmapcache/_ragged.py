@@ -19,6 +19,7 @@ import numpy as np
 from ._codec import leaf_converter
 from ._heap import Heap
 from ._layout import BYTES, STR, TENSOR, TEXT_ERRORS, TEXT_KINDS, Field
+from .errors import CacheFormatError
 
 __all__ = ["RaggedColumn", "Torn", "gather_ragged", "one_length", "ragged_reader", "ragged_splitter", "str_reader",
            "torch_target"]
@@ -163,7 +164,7 @@ def torch_target(field: Field) -> Any:
     return getattr(torch, field.torch_dtype)
 
 
-def ragged_splitter(field: Field) -> Callable[[RaggedColumn], list[Any]]:
+def ragged_splitter(field: Field, path: str = "PATH") -> Callable[[RaggedColumn], list[Any]]:
     if field.kind in TEXT_KINDS:
         decode = field.kind == STR
         make = None if field.kind in (STR, BYTES) else leaf_converter(field)
@@ -175,7 +176,14 @@ def ragged_splitter(field: Field) -> Callable[[RaggedColumn], list[Any]]:
                 out[position] = value.tobytes()
             if make is not None:
                 return [make(np.frombuffer(b, np.uint8)) for b in out]
-            return [b.decode("utf-8", TEXT_ERRORS) for b in out] if decode else out
+            if not decode:
+                return out
+            try:
+                return [b.decode("utf-8", TEXT_ERRORS) for b in out]
+            except UnicodeDecodeError as exc:  # copied under the seqlock, so stable: damage
+                raise CacheFormatError(f"{path}: field {field.name!r}: a stored value is not UTF-8 ({exc}); the "
+                                       f"cache is damaged: remove it (`mmapcache rm --force {path}`) and build it "
+                                       f"again (`mmapcache verify {path}` lists the damage)") from None
         return split_text
     convert = leaf_converter(field)
     if field.kind == TENSOR:

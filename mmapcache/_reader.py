@@ -91,7 +91,7 @@ class RowReader:
         ]
         self._miss_converters = [_value_converter(f) for f in self.fields]
         self._batch_converters = [batch_converter(f) for f in self.fields]
-        self._splitters = [_splitter(f) for f in self.fields]
+        self._splitters = [_splitter(f, store.path) for f in self.fields]
         self._row_bytes = [f.nbytes for f in self.fields]
         self._buffers = _gather.buffers
         # Read once per open (not per batch): $MMAPCACHE_GATHER_THREADS. One thread: a plain numpy.take.
@@ -429,11 +429,11 @@ def _raw_reader(data: np.ndarray, shapes: np.ndarray | None) -> Callable[[int], 
     return read_variable
 
 
-def _splitter(field: Field) -> Callable[[Any], list[Any]]:
+def _splitter(field: Field, path: str) -> Callable[[Any], list[Any]]:
     """Splits a gathered batch (an array with a leading batch axis, or a ``RaggedColumn``) into per-sample values
     of the source's types."""
     if field.ragged:
-        return ragged_splitter(field)
+        return ragged_splitter(field, path)
     if field.kind == PYLIST:
         return lambda batch: batch.tolist()
     if field.kind == TENSOR:

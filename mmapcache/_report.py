@@ -5,7 +5,6 @@ Numpy only (``_store``, ``_format``, ``_filled``, ``_layout``): inspecting a cac
 
 from __future__ import annotations
 
-import itertools
 import os
 from typing import Any
 
@@ -38,26 +37,24 @@ def disk_bytes(path: str) -> int:
     return total
 
 
-def fill_map(filled_per_index: np.ndarray, cells: int = _CELLS) -> str:
-    """One character per range of source indices, from ``_RAMP`` by the share of that range that is filled.
-
-    ``filled_per_index`` holds, per source index, the fraction of its rows (variants) that are filled, or NaN
-    for an index the cache cannot hold (``max_bytes``/``cache_indices``). A cell of only such indices is ``_``;
-    otherwise an empty cell is ``' '``, a full one ``'@'``, and any filled row at all shows at least ``'.'``.
-    """
-    n = len(filled_per_index)
-    if n == 0:
+def fill_map(length: int, indices: np.ndarray, shares: np.ndarray, cells: int = _CELLS) -> str:
+    """One character per range of the ``length`` source indices, from ``_RAMP`` by the share of that range that is
+    filled. ``indices`` are the indices the cache can hold (its slots'), ``shares`` the fraction of each one's rows
+    (variants) that are filled. A cell holding none of ``indices`` is ``_``; otherwise an empty cell is ``' '``, a
+    full one ``'@'``, and any filled row at all shows at least ``'.'``. Memory in the slots, never in ``length``."""
+    if length == 0:
         return ""
-    cells = min(cells, n)
-    edges = np.linspace(0, n, cells + 1).astype(np.int64)
+    cells = min(cells, length)
+    edges = np.linspace(0, length, cells + 1).astype(np.int64)
+    cell = np.searchsorted(edges, indices, side="right") - 1
+    counts = np.bincount(cell, minlength=cells)
+    sums = np.bincount(cell, weights=shares, minlength=cells)
     out = []
-    for a, b in itertools.pairwise(edges):
-        part = filled_per_index[a:b]
-        part = part[~np.isnan(part)]
-        if len(part) == 0:
+    for count, total in zip(counts.tolist(), sums.tolist()):
+        if count == 0:
             out.append("_")
             continue
-        share = float(part.mean())
+        share = total / count
         if share <= 0:
             out.append(_RAMP[0])
         elif share >= 1:
@@ -81,9 +78,11 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         rows = np.arange(store.rows, dtype=np.int64)
         filled = state.filled_rows(rows) if store.rows else np.zeros(0, bool)
         stale = state.stale_rows(rows) & filled if store.rows else np.zeros(0, bool)
-        per_index = np.full(store.length, np.nan)
         if store.rows and meta["mode"] == "cache":  # a stream's rows hold positions, not indices: no fill map
-            per_index = RowMap.of(store).per_index(filled.reshape(store.slots, store.variants).mean(axis=1))
+            shares = filled.reshape(store.slots, store.variants).mean(axis=1)
+            mapped = fill_map(store.length, RowMap.of(store).cacheable(), shares)
+        else:
+            mapped = fill_map(store.length, np.zeros(0, np.int64), np.zeros(0))
         fields = []
         ragged_number = 0
         for field, spec in zip(store.layout.fields, meta["fields"]):
@@ -123,7 +122,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
             "created": meta.get("created"),
             "fields": fields,
             "users": users_of(path),
-            "fill_map": fill_map(per_index),
+            "fill_map": mapped,
         }
     finally:
         store.close()

@@ -11,6 +11,7 @@ Which variant an epoch reads is ``epoch % K`` (``variant_choice="epoch"``) or a 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,7 @@ class RowMap:
         self._lookup = None if slot_index is None else _lookup(length, slot_index)
         # The generation whose mapping _lookup holds, with its slot index: replaced whole (one assignment), so a
         # thread reading it never sees the lookup of one generation with the slot index of another.
-        self._generation: tuple[int, np.ndarray | None, np.ndarray | None] = (0, self._lookup, slot_index)
+        self._generation: tuple[int, Lookup | None, np.ndarray | None] = (0, self._lookup, slot_index)
 
     @classmethod
     def of(cls, store: object, *, variant_choice: str = "epoch", seed: int = 0) -> RowMap:
@@ -78,7 +79,7 @@ class RowMap:
         return cls(store.length, store.slots, store.variants, store.slot_index,  # type: ignore[attr-defined]
                    variant_choice=variant_choice, seed=seed, share=None if share is None else Share.from_json(share))
 
-    def _mapping(self, epoch: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def _mapping(self, epoch: int) -> tuple[Lookup | None, np.ndarray | None]:
         """``(lookup, slot_index)`` of the generation epoch ``epoch`` reads."""
         if not self.keyed:
             return self._lookup, self.slot_index
@@ -159,18 +160,36 @@ class RowMap:
         """The source indices the cache can hold in epoch ``epoch``, in slot order."""
         return self.indices_of_slots(np.arange(self.slots, dtype=np.int64), epoch)
 
-    def per_index(self, per_slot: np.ndarray, fill: float = np.nan, epoch: int = 0) -> np.ndarray:
-        """Spreads a per-slot float array over source indices (``fill`` where not cacheable)."""
-        out = np.full(self.length, fill)
-        out[self.cacheable(epoch)] = per_slot
-        return out
+
+# Source index -> slot: an array, or for a large dataset a _SortedLookup (both indexed like an array).
+Lookup = Any
+
+# Up to this many source indices, the index -> slot lookup is one array (8 bytes per index, per process); past it,
+# a binary search over the sorted slot index (memory in the slots, not in the dataset).
+_DENSE_LOOKUP = 1 << 24
 
 
-def _lookup(length: int, slot_index: np.ndarray) -> np.ndarray:
-    """Source index -> slot (-1: not cacheable)."""
+def _lookup(length: int, slot_index: np.ndarray) -> Lookup:
+    """Source index -> slot (-1: not cacheable): ``lookup[i]`` for an int or an array of in-range indices."""
+    if length > _DENSE_LOOKUP:
+        return _SortedLookup(slot_index)
     lookup = np.full(length, -1, dtype=np.int64)
     lookup[slot_index] = np.arange(len(slot_index), dtype=np.int64)
     return lookup
+
+
+class _SortedLookup:
+    """The lookup of a large dataset's few cacheable indices, by binary search."""
+
+    def __init__(self, slot_index: np.ndarray) -> None:
+        self.order = np.argsort(slot_index, kind="stable")
+        self.sorted = np.asarray(slot_index)[self.order]
+
+    def __getitem__(self, idx: int | np.ndarray) -> np.ndarray:
+        if not len(self.sorted):
+            return np.full(np.shape(idx), -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(self.sorted, idx), len(self.sorted) - 1)
+        return np.where(self.sorted[at] == idx, self.order[at], -1)
 
 
 # --- validating source indices ------------------------------------------------------------------------------------

@@ -160,7 +160,7 @@ class Store:
                         if read_header is None:
                             raise ValueError(f"unsupported .npy version {version}")
                         header = read_header(f)
-                    except (ValueError, SyntaxError) as exc:
+                    except Exception as exc:  # numpy's literal parser raises what the tokenizer met (TokenError...)
                         raise CacheFormatError(f"{path} is not a valid .npy file ({exc}); {fix}") from None
                     offset = f.tell()
             found_shape, fortran, found_dtype = header

@@ -24,6 +24,7 @@ from ._paths import resolve_path
 from ._rows import RowMap
 from ._specs import DatasetSpec
 from ._store import Store
+from ._stream import epoch_order
 from .errors import CacheFormatError
 
 __all__ = ["VerifyResult", "verify"]
@@ -88,9 +89,8 @@ def verify(path: str | os.PathLike[str], dataset: Any = None, *, kwargs: dict[st
             if len(dataset) != store.length:
                 result.mismatch = (f"the source has {len(dataset)} samples, the cache {store.length}: the cache was "
                                    "made from another source (or other --kwargs); nothing was compared")
-            elif not store.meta["deterministic"] or store.meta["mode"] == "stream":
-                result.uncomparable = ("its source is recorded as not deterministic" if store.meta["mode"] == "cache"
-                                       else "a stream keeps no sample for good")
+            elif not store.meta["deterministic"]:
+                result.uncomparable = "its source is recorded as not deterministic"
             else:
                 _compare(store, dataset, samples, seed, result)
     except CacheFormatError as exc:
@@ -228,7 +228,8 @@ def _check_heaps(store: Store, complete: np.ndarray, result: VerifyResult) -> No
 
 def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, result: VerifyResult) -> None:
     """Recomputes the samples of filled rows (``samples`` source indices chosen at random, all their variants; None:
-    every one) and compares them byte for byte. A rotating share's row is compared with the sample its key names."""
+    every one) and compares them byte for byte. A rotating share's row is compared with the sample its key names,
+    a stream's with the sample at its key's position of the stream's order."""
     from ._reader import RowReader
 
     reader = RowReader(store, recompute_stale=False)
@@ -236,21 +237,30 @@ def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, 
     k = store.variants
     rows = np.flatnonzero(store.state.filled_rows(np.arange(store.rows, dtype=np.int64)))
     variants = rows % k
+    keys = np.full(len(rows), -1, np.int64)  # the key each row must still hold when it is read (-1: none)
     if rowmap.keyed:
         indices = store.state.keys_np[rows]
         keep = (indices >= 0) & (indices < store.length)  # others are reported by _check_keys
         rows, indices, variants = rows[keep], indices[keep], variants[keep]
+        keys = indices
+    elif store.meta["mode"] == "stream":  # a row holds the sample of its key's position in the stream's order
+        keys = store.state.keys_np[rows]
+        keep = (keys >= 0) & (keys % max(1, store.slots) == rows)  # others are reported by _check_keys
+        rows, keys, variants = rows[keep], keys[keep], variants[keep]
+        order_seed, n = store.meta["stream"]["seed"], store.length
+        orders = {e: epoch_order(order_seed, e, n) for e in np.unique(keys // n).tolist()}
+        indices = np.array([orders[q // n][q % n] for q in keys.tolist()], np.int64)
     else:
         indices = rowmap.index_and_variant(rows)[0]
     chosen = np.unique(indices)
     if samples is not None and samples < len(chosen):
         chosen = np.random.default_rng(seed).choice(chosen, size=samples, replace=False)
         keep = np.isin(indices, chosen)
-        rows, indices, variants = rows[keep], indices[keep], variants[keep]
+        rows, indices, variants, keys = rows[keep], indices[keep], variants[keep], keys[keep]
     set_epoch = getattr(dataset, "set_epoch", None) if k > 1 else None
-    for row, index, variant in zip(rows.tolist(), indices.tolist(), variants.tolist()):
+    for row, index, variant, key in zip(rows.tolist(), indices.tolist(), variants.tolist(), keys.tolist()):
         try:
-            stored = reader.read_values(row, index if rowmap.keyed else -1)
+            stored = reader.read_values(row, key)
         except CacheFormatError as exc:  # a value that cannot be read: reported, and the others compared
             result.problems.append(str(exc))
             continue

@@ -517,6 +517,12 @@ class MmapCachedDataset(Dataset):
         misses = self._misses
 
         def compute(index: int) -> list[Any]:
+            if self.dataset is None:
+                raise SampleNotCachedError(
+                    f"sample {index} of the stream at {self.path} is not in its ring (no producer has computed it), "
+                    "and the stream was opened without a source dataset; open it with MmapCachedDataset(path, "
+                    "dataset, stream=True) to compute such samples, or start producers (`mmapcache build PATH "
+                    "--dataset SPEC --follow`)")
             return misses.checked(reader, misses.fetch(index), index)
 
         columns, stats = read_positions(ring, reader, epoch, positions, compute, wait=self.on_miss == "wait",

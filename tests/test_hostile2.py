@@ -112,7 +112,7 @@ def test_a_free_list_head_past_the_heap_is_damage_for_writers_and_verify(ragged_
     assert code == 1 and "points at offset" in capsys.readouterr().err
     with MmapCachedDataset(ragged_cache, Texts(version=1), ragged=["ids"]) as ds:
         ds.refresh(fraction=1.0)
-        with pytest.raises(CacheFormatError, match="free list of size class .* outside the heap"):
+        with pytest.raises(CacheFormatError, match=r"free list of size class .* outside the heap"):
             ds.fill()  # longer values move, to extents of the lists freed by the fixture
     assert _heap_files(ragged_cache) == before
 
