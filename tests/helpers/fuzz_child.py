@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -137,7 +138,11 @@ class Case:
         """Every index one at a time, then every index in one ``__getitems__``, then the loader's batches, in each
         of the kind's epochs."""
         source = "" if ds.dataset is not None else " (no source)"
-        n = min(len(ds), len(self.source))  # a cache opened without its source has the length meta.json says
+        # A cache opened without its source has the length meta.json says.
+        length = self.call(lambda: len(ds), allowed, result=True)
+        if length is _FAILED:
+            return
+        n = min(length, len(self.source))
         for epoch in self.kind.epochs:
             with self.phase(f"ds[i] for every i{source}, epoch {epoch}, {when} writing", readonly):
                 self.set_epoch(ds, epoch)
@@ -407,7 +412,11 @@ def main(argv: list[str] | None = None) -> None:
         started = time.monotonic()
         case = Case(number, KINDS[kind], damage, args.root, emit, baseline[kind], expected,
                     cli=args.cli_every > 0 and number % args.cli_every == 0)
-        violations = case.run()
+        try:
+            violations = case.run()
+        except Exception as exc:  # the harness's own bug: reported as such, and the next case runs
+            case.verdicts.harness(case.step, "".join(traceback.format_exception(exc))[-1500:])
+            violations = case.verdicts.violations()
         emit(event="done", violations=violations, seconds=round(time.monotonic() - started, 3))
     out.write(json.dumps({"event": "end"}) + "\n")
     out.close()
