@@ -1,7 +1,8 @@
-"""No damage needed: verify(path, source) of an intact stream, and of an intact rotating node share whose rows were
-filled in another generation, reports differences (it compares row r with the sample of slot r's generation-0
-index, not with the sample its key names). So every damaged stream value is silent: verify says the same of a
-damaged stream as of an intact one, while the loader serves the damaged value."""
+"""verify(path, source) and streams/rotating shares. At 9534360: an intact stream, and an intact rotating node share
+whose rows were filled in another generation, reported differences (row r compared with the sample of slot r's
+generation-0 index, not the sample its key names). At 733e343 both are ok, but verify compares no stream row at
+all ("uncomparable: a stream keeps no sample for good", even for a deterministic source): a damaged stream value
+is served by the loader while verify reports the cache ok (a silent wrong answer)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def main() -> int:
         served = batch["x"][2].tolist()
         print(f"damaged stream: served x {served} for index {int(batch['i'][2])}; verify reports the same as intact: "
               f"{damaged.differences == intact.differences and not damaged.problems}")
-        stream_bug = not intact.ok
+        wrong = served != Tokens()[int(batch["i"][2])]["x"].tolist()
+        stream_bug = not intact.ok or (wrong and damaged.ok)
     with scratch() as path:
         with MmapCachedDataset(path, Images(20), node_share=(1, 3), rotate_every=1, fingerprint="s") as ds:
             ds.fill()
