@@ -81,3 +81,18 @@ def test_damage_fuzz(shm_dir: str) -> None:
     assert run.finished, f"no case finished (seed {SEED}): {report(run, COMMAND)}"
     if run.findings:
         pytest.fail(report(run, COMMAND), pytrace=False)
+
+
+def test_the_fuzzer_names_the_case_and_step_of_a_hang_and_a_signal_and_goes_on(
+        shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The harness itself: a child that hangs is killed, one that dies of a signal is replaced, and every other case
+    # still runs (fuzz_child's MMAPCACHE_FUZZ_SELFTEST hook hangs or kills the child while it opens a case's cache).
+    monkeypatch.setenv("MMAPCACHE_FUZZ_SELFTEST", "hang:1,segv:3")
+    build_all(os.path.join(shm_dir, "pristine"), ["fixed"])
+    run = run_cases(shm_dir, SEED, ["fixed"], [0, 1, 2, 3, 4], seconds=120, step_timeout=5, cli_every=0)
+    assert sorted(run.finished) == [0, 1, 2, 3, 4] and run.children == 3
+    by_oracle = {finding.oracle: finding for finding in run.findings.values()}
+    hang = by_oracle["a step hung (no report within the step timeout; killed)"]
+    signal = by_oracle["the process died of a signal (SIGSEGV)"]
+    assert hang.cases == [1] and hang.first["step"] == "open with the source"
+    assert signal.cases == [3] and signal.first["step"] == "open with the source"

@@ -110,6 +110,7 @@ class Case:
         with self.phase("describe", readonly=True):
             self.call(lambda: mmapcache.describe(self.path), formats)
         with self.phase("open with the source"):
+            _selftest(self.number)
             ds = self.call(lambda: MmapCachedDataset(self.path, self.source, **self.kind.options), formats)
         if ds is not None:
             self.reads(ds, "before", formats)
@@ -369,6 +370,17 @@ def baselines(root: str, kinds: list[str]) -> dict[str, list[str]]:
         result = mmapcache.verify(path, KINDS[name].source(), samples=None)
         out[name] = clean(result, path)
     return out
+
+
+def _selftest(number: int) -> None:
+    """``MMAPCACHE_FUZZ_SELFTEST=hang:3,segv:5`` makes case 3 hang and case 5 die of SIGSEGV while it opens the
+    cache: how the driver's handling of both is tested (it must name the case and step, and go on)."""
+    for item in filter(None, os.environ.get("MMAPCACHE_FUZZ_SELFTEST", "").split(",")):
+        what, case = item.split(":")
+        if int(case) == number and what == "hang":
+            time.sleep(3600)
+        if int(case) == number and what == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
 
 
 def parse_cases(text: str) -> list[int]:

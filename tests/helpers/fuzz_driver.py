@@ -155,9 +155,11 @@ def _one_child(run: Run, root: str, seed: int, kinds: list[str], todo: list[int]
 
 
 def _fail(run: Run, current: dict[str, Any] | None, step: str, oracle: str, group: str, detail: str) -> None:
+    from helpers.fuzz_oracle import role
+
     case = current or {"case": -1, "kind": "?", "damage": {}}
     run.record(case, {"oracle": oracle, "exception": None, "frame": None, "group": group, "step": step,
-                      "detail": detail, "role": case["damage"].get("file", "")})
+                      "detail": detail, "role": role(case["damage"].get("file", ""))})
     if current is not None:
         run.finished.append(current["case"])
 
