@@ -118,10 +118,8 @@ class RowReader:
             return lambda row: data[row].copy()[()]
         convert = leaf_converter(field)
         if shapes is not None:
-            def read_variable(row: int) -> Any:
-                shape = tuple(shapes[row].tolist())
-                return convert(data[row].reshape(-1)[:math.prod(shape)].reshape(shape).copy())
-            return read_variable
+            raw = _raw_reader(data, shapes)
+            return lambda row: convert(raw(row))
         if not field.shape:
             return lambda row: convert(data[row, ...].copy())  # data[row] would be a numpy scalar, not an array
         return lambda row: convert(data[row].copy())
@@ -423,8 +421,12 @@ def _raw_reader(data: np.ndarray, shapes: np.ndarray | None) -> Callable[[int], 
     if shapes is None:
         return lambda row: data[row, ...].copy()
 
+    limit = data.shape[1:]
+
     def read_variable(row: int) -> np.ndarray:
         shape = tuple(shapes[row].tolist())
+        if not all(0 <= s <= m for s, m in zip(shape, limit)):
+            raise Torn(f"its stored shape {shape} is outside the field's maximum {limit}")
         return data[row].reshape(-1)[:math.prod(shape)].reshape(shape).copy()
     return read_variable
 

@@ -196,9 +196,9 @@ class Store:
         if self.meta["slot_index"] is None:
             return None
         index = self._map_npy(self.meta["slot_index"], np.dtype("<i8"), (self.slots,))
-        if len(index) and (index.min() < 0 or index.max() >= self.length):
-            raise CacheFormatError(f"{self.path}/{fmt.SLOT_INDEX}: indices outside [0, {self.length}); the cache is "
-                                   "damaged: remove it and build it again")
+        if len(index) and (index.min() < 0 or index.max() >= self.length or len(np.unique(index)) != len(index)):
+            raise CacheFormatError(f"{self.path}/{fmt.SLOT_INDEX}: indices outside [0, {self.length}), or one index "
+                                   "in two slots; the cache is damaged: remove it and build it again")
         return index
 
     # --- users (reference count through the kernel's locks) ----------------------------------------------------

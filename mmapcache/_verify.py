@@ -132,6 +132,11 @@ def _check_state(store: Store, result: VerifyResult) -> None:
     _check_heaps(store, complete, result)
     if store.meta["mode"] == "stream":
         _check_ring(store, result)
+    share = RowMap.of(store).share
+    if share is not None and store.slot_index is not None and not np.array_equal(
+            store.slot_index, share.indices(store.length)):
+        result.problems.append(f"{store.path}/{fmt.SLOT_INDEX}: not the indices of {share.describe(store.length)} "
+                               "(generation 0) that meta.json records: the file is damaged")
     for field, shapes, spec in zip(store.layout.fields, store.shapes, store.meta["fields"]):
         if shapes is None:
             continue

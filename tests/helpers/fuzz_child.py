@@ -80,9 +80,10 @@ class Case:
         self.verdicts = Verdicts(kind.name, damage, baseline)
         self.step = "setup"
         self.sizes: dict[str, tuple[int, int]] = {}
-        # CacheMismatchError is right for a meta.json that describes another valid cache; for any other file, the
-        # cache is damaged (CacheFormatError), not another source's.
-        self.mismatch: tuple[type[BaseException], ...] = (CacheMismatchError,) if damage.file == "meta.json" else ()
+        # CacheMismatchError is right for a meta.json that describes another valid cache, and for damage to a stored
+        # sample an opener compares with its source (it cannot tell damage from another source: either way the
+        # cache is not this source's); the oracle then holds it to what verify reports, as for CacheFormatError.
+        self.mismatch: tuple[type[BaseException], ...] = (CacheMismatchError,)
 
     # --- the steps ---------------------------------------------------------------------------------------------
 
