@@ -12,6 +12,7 @@ from .errors import (
     CacheNotFoundError,
     CacheReadOnlyError,
     CacheReadOnlyWarning,
+    DistributedOrderWarning,
     InsufficientSpaceError,
     LayoutError,
     MmapCacheError,
@@ -57,6 +58,7 @@ __all__ = [
     "SourceError",
     "StreamTimeoutError",
     "CacheReadOnlyWarning",
+    "DistributedOrderWarning",
     "StreamBypassWarning",
     "UncachedFieldWarning",
 ]

@@ -12,8 +12,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate, default_convert
 
+from ._order import BatchOrder, EpochStart
 from .collate import PadCollate
 from .errors import WorkerStartError
 
@@ -22,9 +23,12 @@ class BatchReader(Protocol):
     """What the loader needs of a dataset (``MmapCachedDataset`` provides it)."""
 
     transform: Any
+    seed: int
 
     @property
     def epoch(self) -> int: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
 
     @property
     def reads_batches(self) -> bool: ...
@@ -41,6 +45,10 @@ class BatchReader(Protocol):
 
     def stream_consumed(self, rank: int, ranks: int, epoch: int, k: int, stats: dict[str, int]) -> None: ...
 
+    def stream_progress(self, rank: int) -> tuple[int, int] | None: ...
+
+    def stream_seek(self, rank: int, ranks: int, epoch: int, k: int) -> None: ...
+
     def read_stream_batch(self, epoch: int, rank: int, ranks: int, k0: int, k1: int, pad: Any = None,
                           collate: Any = None) -> tuple[dict[str, int], Any]: ...
 
@@ -49,11 +57,8 @@ class BatchReader(Protocol):
 
     def __len__(self) -> int: ...
 
-# DataLoader arguments that describe batching; the rest pass through unchanged.
-_BATCHING = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator")
-
-
 def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
+    """``ds.loader(**kwargs)``: a ``CacheLoader``, or a ``StreamLoader`` for a stream (see ``ds.loader``)."""
     _check_workers_can_import(ds, kwargs)
     collate = kwargs.get("collate_fn")
     pad = collate if isinstance(collate, PadCollate) else None  # fused into the gather: pads from the heaps
@@ -61,55 +66,122 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
         pad.check_fields(set(ds.fields))
     if ds.stream:
         return StreamLoader(ds, pad, **kwargs)
-    if (collate is not None and pad is None) or not ds.reads_batches:
-        return DataLoader(ds, **kwargs)  # type: ignore[arg-type]
     batch_size = kwargs.pop("batch_size", 1)
-    shuffle = kwargs.pop("shuffle", False)
+    shuffle = kwargs.pop("shuffle", None)
     sampler = kwargs.pop("sampler", None)
     batch_sampler = kwargs.pop("batch_sampler", None)
     drop_last = kwargs.pop("drop_last", False)
     generator = kwargs.pop("generator", None)
-    kwargs.pop("collate_fn", None)
-    if batch_sampler is None:
-        if batch_size is None:
-            return DataLoader(ds, batch_size=None, shuffle=shuffle, sampler=sampler, generator=generator,  # type: ignore[arg-type]
-                              **kwargs)
-        if sampler is None:
-            sampler = RandomSampler(ds, generator=generator) if shuffle else SequentialSampler(ds)
-        elif shuffle:
-            raise ValueError("sampler option is mutually exclusive with shuffle")
-        if type(sampler) in (RandomSampler, SequentialSampler) or hasattr(sampler, "epoch_indices"):
-            batch_sampler = _ArrayBatches(sampler, batch_size, drop_last)
-        else:
-            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
-    elif batch_size != 1 or shuffle or sampler is not None or drop_last:
+    collate = kwargs.pop("collate_fn", None)
+    placement = {name: kwargs.pop(name, None) for name in ("rank", "world_size", "seed")}
+    # DataLoader's own checks, in its words.
+    if sampler is not None and shuffle:
+        raise ValueError("sampler option is mutually exclusive with shuffle")
+    if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None or drop_last):
         raise ValueError("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and drop_last")
-    # The generator also goes to the outer DataLoader: it draws the workers' base seed from it before the sampler
+    if batch_size is None and drop_last:
+        raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
+    order = BatchOrder(ds, batch_size=None if batch_sampler is not None else batch_size, shuffle=bool(shuffle),
+                       drop_last=drop_last, generator=generator, sampler=sampler, batch_sampler=batch_sampler,
+                       **placement)
+    if (collate is None or pad is not None) and ds.reads_batches and batch_size is not None:
+        reads: Dataset = _Batches(ds, pad, order.trusted)
+    else:
+        reads = _Samples(ds, collate, batched=batch_size is not None or batch_sampler is not None)
+    # The order's generator also goes to the DataLoader: it draws the workers' base seed from it before the order
     # draws the permutation, exactly as DataLoader(ds, generator=...) does, so both shuffle alike.
-    trusted = isinstance(batch_sampler, _ArrayBatches)  # its batches are int64 arrays of valid indices
-    return _GatherLoader(
-        _Batches(ds, pad, trusted), batch_size=None, sampler=_EpochBatches(batch_sampler, ds), collate_fn=_identity,
-        generator=generator, **kwargs
-    )
+    return CacheLoader(reads, batch_size=None, sampler=order, collate_fn=_identity, generator=order.generator,
+                       **kwargs)
 
 
-class _GatherLoader(DataLoader):
-    """The DataLoader ``ds.loader`` returns. Without workers (and without pinning), iterating it skips
-    DataLoader's per-batch machinery (a profiler record per batch, a fetcher, the collate indirection): about
-    half the time of a batch of tiny rows. It yields the same batches, after the same random draws (the base seed
-    DataLoader draws from the generator, then the sampler's); with workers, it is DataLoader."""
+class CacheLoader(DataLoader):
+    """The DataLoader ``ds.loader()`` returns: its batches are read by ``_Batches`` (one gather per field, straight
+    into the collated tensors) or ``_Samples`` (the dataset's own samples and a ``collate_fn``), in the order of its
+    ``sampler``, a ``BatchOrder`` (``mmapcache._order``: split across the ranks of a distributed job).
+
+    Without workers (and without pinning), iterating it skips DataLoader's per-batch machinery (a profiler record
+    per batch, a fetcher, the collate indirection): about half the time of a batch of tiny rows. It yields the same
+    batches, after the same random draws (the base seed DataLoader draws from the generator, then the order's).
+
+    ``state_dict()`` and ``load_state_dict()`` follow torchdata's ``StatefulDataLoader`` protocol (PyTorch Lightning
+    saves and restores them in its checkpoints): a loader given the state of one interrupted mid-epoch yields the
+    batches that epoch had left, then the same epochs after it.
+    """
 
     def __iter__(self) -> Any:
-        if self.num_workers or self.pin_memory:
-            return super().__iter__()
-        return self._batches()
+        self._yielded, self._active = 0, False  # a new pass: an abandoned one's progress is gone
+        self.sampler.started = None  # type: ignore[attr-defined]
+        return self._counted()
 
-    def _batches(self) -> Iterator[Any]:
+    def _counted(self) -> Iterator[Any]:
+        """The batches, counting those handed to the caller (what a state records: not a worker's prefetch)."""
+        self._active = True
+        batches = super().__iter__() if self.num_workers or self.pin_memory else self._direct()
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+        self._active = False
+
+    def _direct(self) -> Iterator[Any]:
         keys = iter(self.sampler)
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # DataLoader's base seed
         dataset = self.dataset
         for key in keys:
             yield dataset[key]
+
+    # --- resuming ------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: the epoch being read and the batches it yielded of it (or, between epochs, where the
+        next starts), with what its order was drawn from (``mmapcache._order``). Picklable; ``torch.save`` stores it.
+        """
+        order: BatchOrder = self.sampler  # type: ignore[assignment]
+        state = self._shape()
+        start = order.started
+        if getattr(self, "_active", False) and start is not None:
+            state.update(epoch=start.epoch, batches=self._yielded, generator=start.generator, sampler=start.sampler)
+        else:
+            now = order._start()
+            state.update(epoch=now.epoch, batches=0, generator=now.generator, sampler=now.sampler)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes the next iteration continue where the loader that saved ``state`` was: the rest of its epoch (the
+        batches it had not yielded), or the epoch after a finished one.
+
+        Raises:
+            ValueError: ``state`` is not a loader state, or is that of a loader over another dataset length, batch
+                size, world size or order (a silent reshuffle otherwise).
+        """
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"not a state of ds.loader() (format {_STATE_FORMAT!r}); pass what its state_dict() "
+                             "returned")
+        mine = self._shape()
+        differ = [f"{key} {state.get(key)!r} in the state, {mine[key]!r} here" for key in mine
+                  if state.get(key) != mine[key]]
+        if differ:
+            raise ValueError(f"this loader state was saved by a loader of another shape ({'; '.join(differ)}): "
+                             "resuming from it would read another order. Resume with the same dataset length, "
+                             "batch size, drop_last, shuffle and number of ranks, or start the epoch afresh")
+        order: BatchOrder = self.sampler  # type: ignore[assignment]
+        start = EpochStart(int(state["epoch"]), state.get("generator"), state.get("sampler"))
+        if state["batches"]:
+            order.resume = (start, int(state["batches"]))
+            order.ds.set_epoch(start.epoch)
+        else:
+            order._restore(start)
+
+    def _shape(self) -> dict[str, Any]:
+        """What a state must match: the dataset's length, the batching and the split. Not the rank: every rank's
+        state is the same (the epoch and the batches each yielded), and a trainer saves one (Lightning, rank 0's)
+        from which each rank resumes its own part."""
+        order: BatchOrder = self.sampler  # type: ignore[assignment]
+        return {"format": _STATE_FORMAT, "length": len(order.ds), "batch_size": order.batch_size,
+                "drop_last": order.drop_last, "shuffle": order.shuffle, "world_size": order.num_replicas,
+                "batches_per_epoch": len(order)}
+
+
+_STATE_FORMAT = "mmapcache.loader/1"
 
 
 def _check_workers_can_import(ds: BatchReader, kwargs: dict[str, Any]) -> None:
@@ -147,79 +219,37 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
-class _ArrayBatches(BatchSampler):
-    """``BatchSampler`` over torch's own finite samplers (and ``ShareSampler``), yielding numpy arrays: the epoch's
-    indices are drawn as one array (``epoch_indices``) instead of one Python ``next`` per index, in exactly the
-    order (and with the same random draws) that ``BatchSampler(sampler, ...)`` would produce."""
-
-    def __iter__(self) -> Iterator[np.ndarray]:  # type: ignore[override]
-        indices = epoch_indices(self.sampler)
-        count = len(indices)
-        size = self.batch_size
-        stop = count - count % size if self.drop_last else count
-        for start in range(0, stop, size):
-            yield indices[start:start + size]
-
-
-def epoch_indices(sampler: Any) -> np.ndarray:
-    """The indices ``iter(sampler)`` would yield, as one int64 array.
-
-    ``RandomSampler`` draws exactly as its ``__iter__`` does (torch 2.x): a seed from the global generator when it
-    has none of its own, then one ``randperm`` per pass over the data plus one for the remainder (without
-    replacement), or ``randint`` in chunks of 32 (with): the same calls on the same generator, so the same order
-    and the same generator state afterwards, without turning each index into a Python int.
-    """
-    own = getattr(sampler, "epoch_indices", None)  # ShareSampler: the epoch as one array
-    if own is not None:
-        return own()
-    if type(sampler) is SequentialSampler:
-        return np.arange(len(sampler), dtype=np.int64)
-    if type(sampler) is RandomSampler:
-        n, count = len(sampler.data_source), sampler.num_samples
-        generator = sampler.generator
-        if generator is None:
-            seed = int(torch.empty((), dtype=torch.int64).random_().item())
-            generator = torch.Generator()
-            generator.manual_seed(seed)
-        if sampler.replacement:
-            parts = [torch.randint(high=n, size=(32,), dtype=torch.int64, generator=generator)
-                     for _ in range(count // 32)]
-            parts.append(torch.randint(high=n, size=(count % 32,), dtype=torch.int64, generator=generator))
-        else:
-            parts = [torch.randperm(n, generator=generator) for _ in range(count // n)]
-            parts.append(torch.randperm(n, generator=generator)[:count % n])
-        return torch.cat(parts).numpy().astype(np.int64, copy=False)
-    return np.fromiter(iter(sampler), np.int64, count=len(sampler))
-
-
-class _EpochBatches(Sampler):
-    """Yields ``(epoch, indices)``: the epoch is read in the main process when iteration starts, so the variant
-    choice reaches persistent workers too."""
-
-    def __init__(self, batch_sampler: Any, ds: BatchReader) -> None:
-        self.batch_sampler = batch_sampler
-        self.ds = ds
-
-    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
-        epoch = self.ds.epoch
-        for batch in self.batch_sampler:
-            yield epoch, batch
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
-
-
 class _Batches(Dataset):
-    """Maps ``(epoch, indices)`` to the collated batch."""
+    """Maps ``(epoch, indices)`` to the collated batch, gathered in one step per field (``read_batch``)."""
 
     def __init__(self, ds: BatchReader, pad: PadCollate | None = None, trusted: bool = False) -> None:
         self.ds = ds
         self.pad = pad
         self.trusted = trusted
 
-    def __getitem__(self, key: tuple[int, list[int]]) -> Any:
+    def __getitem__(self, key: tuple[int, Any]) -> Any:
         epoch, indices = key
         return self.ds.read_batch(indices, epoch, self.pad, trusted=self.trusted)
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+
+class _Samples(Dataset):
+    """Maps ``(epoch, indices)`` to ``collate_fn([ds[i] for i in indices])`` (through ``__getitems__``), or, not
+    batched, ``(epoch, i)`` to ``collate_fn(ds[i])``: what ``DataLoader(ds)`` does with a ``collate_fn``, a
+    ``transform`` or fields default collation cannot stack (default: ``default_collate``, or ``default_convert``
+    when not batched)."""
+
+    def __init__(self, ds: Any, collate: Any, batched: bool) -> None:
+        self.ds, self.batched = ds, batched
+        self.collate = collate if collate is not None else default_collate if batched else default_convert
+
+    def __getitem__(self, key: tuple[int, Any]) -> Any:
+        _, indices = key
+        if not self.batched:
+            return self.collate(self.ds[indices])
+        return self.collate(self.ds.__getitems__(indices.tolist()))
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -286,6 +316,34 @@ class StreamLoader:
     def __len__(self) -> int:
         """Batches in one whole epoch of this rank."""
         return self.per_rank // self.batch_size if self.drop_last else -(-self.per_rank // self.batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is in the stream: its epoch and the positions handed to the training loop (its cursor,
+        which the ring also keeps). ``CacheLoader``'s protocol."""
+        epoch, position = self.ds.stream_progress(self.rank) or (self.ds.epoch, 0)
+        return {"format": _STREAM_STATE_FORMAT, "length": len(self.ds), "world_size": self.ranks, "rank": self.rank,
+                "batch_size": self.batch_size, "epoch": epoch, "position": position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Moves this rank's cursor to where ``state`` was (a checkpoint restored after the run went on: the
+        positions read since are read again, computed afresh where the ring no longer holds them).
+
+        Raises:
+            ValueError: not a stream loader's state, or one of another dataset length, batch size or rank count.
+        """
+        if not isinstance(state, dict) or state.get("format") != _STREAM_STATE_FORMAT:
+            raise ValueError(f"not a state of a stream's ds.loader() (format {_STREAM_STATE_FORMAT!r}); pass what its "
+                             "state_dict() returned")
+        mine = {"length": len(self.ds), "world_size": self.ranks, "rank": self.rank, "batch_size": self.batch_size}
+        differ = [f"{key} {state.get(key)!r} in the state, {value!r} here" for key, value in mine.items()
+                  if state.get(key) != value]
+        if differ:
+            raise ValueError(f"this loader state was saved by a loader of another shape ({'; '.join(differ)}): "
+                             "resuming from it would read other positions")
+        self.ds.stream_seek(self.rank, self.ranks, int(state["epoch"]), int(state["position"]))
+
+
+_STREAM_STATE_FORMAT = "mmapcache.stream_loader/1"
 
 
 _MAX_RANKS = 256

@@ -21,14 +21,13 @@ For a cache without a share (a full copy on every node) it is ``DistributedSampl
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from ._share import Share, env_int
+from ._share import Share, job_rank_and_size
 
 __all__ = ["ShareSampler"]
 
@@ -55,7 +54,7 @@ class ShareSampler(Sampler[int]):
         rank, world_size: this process's rank among the ranks reading the cache and their number: for a node
             share, the *local* rank and the ranks on this node (default: ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, SLURM's,
             or the process group's, as ``prefill`` finds them); for a full copy, the job's rank and world size
-            (default: ``RANK``/``WORLD_SIZE``, or the process group's).
+            (default: an initialised process group's, else ``RANK``/``WORLD_SIZE`` or SLURM's).
 
     ``set_epoch(e)`` selects the epoch's order, and sets the dataset's epoch too (which a rotating share needs to
     map indices to rows). ``epoch_indices()`` returns the epoch's indices as one array (what ``ds.loader`` uses).
@@ -71,7 +70,7 @@ class ShareSampler(Sampler[int]):
             raise TypeError("sampler() takes both rank= and world_size=, or neither (to read them from the "
                             "environment)")
         if rank is None:
-            rank, world_size = _local(ds.path) if self.share is not None else _global()
+            rank, world_size = _local(ds.path) if self.share is not None else job_rank_and_size()
         assert world_size is not None  # both given or both found
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} of {world_size}: need 0 <= rank < world_size")
@@ -115,18 +114,3 @@ def _local(path: str) -> tuple[int, int]:
     from .distributed import local_rank_and_size
 
     return local_rank_and_size(path)
-
-
-def _global() -> tuple[int, int]:
-    """The job's rank and world size: torchrun's or SLURM's environment, an initialised process group, else 0 of 1."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return env_int("RANK"), env_int("WORLD_SIZE")
-    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
-        return env_int("SLURM_PROCID"), env_int("SLURM_NTASKS")
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return 0, 1
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1

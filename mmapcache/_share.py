@@ -95,6 +95,31 @@ def share_of(length: int, nodes: int, node: int, seed: int, generation: int = 0)
     return np.sort(part).astype(np.int64)
 
 
+def job_rank_and_size() -> tuple[int, int]:
+    """This process's rank in the job and the job's size: an initialised ``torch.distributed`` process group's (the
+    authority once there is one: Lightning sets no ``RANK``), else torchrun's ``RANK``/``WORLD_SIZE``, else SLURM's
+    ``SLURM_PROCID``/``SLURM_NTASKS``, else ``(0, 1)``. Never a collective call.
+
+    Raises:
+        ValueError: an environment variable that is not an integer, or a rank outside the size.
+    """
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        dist = None  # type: ignore[assignment]
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    env = os.environ
+    for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if rank in env and size in env:
+            found = env_int(rank), env_int(size)
+            if not 0 <= found[0] < found[1]:
+                raise ValueError(f"{rank}={found[0]} is not a rank of {size}={found[1]}; fix the launcher's "
+                                 "environment")
+            return found
+    return 0, 1
+
+
 def node_of_process() -> tuple[int, int]:
     """``(node, nodes)`` of this process (see the module docstring); ``(0, 1)`` when nothing describes a job.
 

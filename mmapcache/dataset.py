@@ -439,11 +439,18 @@ class MmapCachedDataset(Dataset):
         return reader.collate(self._gather(idx, self._epoch_view[0] if epoch is None else epoch, alloc), pad)
 
     def loader(self, **kwargs: Any) -> torch.utils.data.DataLoader:
-        """A DataLoader over the cache that gathers each batch straight into its final tensors.
+        """A DataLoader over the cache that gathers each batch straight into its final tensors, splits each epoch
+        across the ranks of a distributed job, and resumes mid-epoch.
 
-        Takes DataLoader's arguments with their usual meanings and yields what ``DataLoader(self, **kwargs)``
-        with default collation yields. Falls back to exactly that when a ``collate_fn`` or ``transform`` is set,
-        or a field has a variable shape (which default collation cannot stack).
+        Takes DataLoader's arguments with their usual meanings, plus ``rank``, ``world_size`` (default: the job's:
+        an initialised process group, torchrun's or SLURM's environment) and ``seed`` (the distributed shuffle's,
+        default this dataset's ``seed``). In one process it yields what ``DataLoader(self, **kwargs)`` yields (with a
+        ``collate_fn``, a ``transform`` or variable-shape fields, through the dataset's own samples). In a job of
+        several processes, without a ``sampler``, each rank reads what ``DistributedSampler(self, shuffle=shuffle,
+        seed=seed)`` gives it; call ``loader.sampler.set_epoch(epoch)`` (or ``set_epoch``) each epoch, as
+        Lightning does. ``state_dict()``/``load_state_dict()`` (torchdata's ``StatefulDataLoader`` protocol, which
+        Lightning saves in its checkpoints) resume exactly: see ``mmapcache._order``. A stream (``stream=True``)
+        returns its own loader, which reads the stream's order and resumes at the rank's cursor.
         """
         return make_loader(self, **kwargs)
 
@@ -503,6 +510,16 @@ class MmapCachedDataset(Dataset):
         ring = self._stream_ring()
         ring.set_progress(rank, ranks, epoch, k)
         ring.count(**stats)
+
+    def stream_progress(self, rank: int) -> tuple[int, int] | None:
+        """``(epoch, k)``: rank ``rank`` was handed its first ``k`` positions of ``epoch``; None if it never read."""
+        return self._stream_ring().progress(rank)
+
+    def stream_seek(self, rank: int, ranks: int, epoch: int, k: int) -> None:
+        """Moves rank ``rank``'s cursor to its position ``k`` of ``epoch`` (a restored checkpoint's); the dataset's
+        epoch follows. Used by ``ds.loader().load_state_dict``."""
+        self._stream_ring().set_progress(rank, ranks, epoch, k)
+        self._epoch_view[0] = epoch
 
     def read_stream_batch(self, epoch: int, rank: int, ranks: int, k0: int, k1: int, pad: Any = None,
                           collate: Callable[[list[Any]], Any] | None = None) -> tuple[dict[str, int], Any]:

@@ -26,7 +26,11 @@ __all__ = [
     "UsageError",
     "WorkerStartError",
     "SourceError",
+    "StreamTimeoutError",
     "CacheReadOnlyWarning",
+    "DistributedOrderWarning",
+    "StreamBypassWarning",
+    "UncachedFieldWarning",
 ]
 
 
@@ -114,6 +118,12 @@ class StreamTimeoutError(MmapCacheError, TimeoutError):
 class StreamBypassWarning(UserWarning):
     """A stream cache was read by index (``ds[i]``, ``DataLoader(ds)``): that computes from the source and never
     reads the ring; read a stream through ``ds.loader()``."""
+
+
+class DistributedOrderWarning(UserWarning):
+    """``ds.loader()`` in a distributed job with an order that cannot split the data across ranks (a sampler that
+    gives every rank the whole dataset), or that repeats the last epoch's order (no ``set_epoch`` between two
+    epochs): the message names the fix."""
 
 
 class CacheReadOnlyWarning(UserWarning):

@@ -149,7 +149,8 @@ class Verdicts:
                          wrongs[0].split(":")[0], None, None,
                          f"{len(wrongs)} wrong: {'; '.join(wrongs[:4])}", group=self.role)
         if self.detected and self.verify.get("before") == "ok":
-            self.add("the library raised CacheFormatError (or CacheMismatchError) on damage verify() reports ok", self.detected[0][:60],
+            self.add("the library raised CacheFormatError (or CacheMismatchError) on damage verify() reports ok",
+                     self.detected[0][:60],
                      None, None, self.detected[0], group=self.role)
 
 

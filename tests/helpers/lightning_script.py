@@ -1,0 +1,93 @@
+"""A real PyTorch Lightning job over a cache: ``Trainer(accelerator="cpu", devices=2, strategy=...)`` trains a tiny
+model on ``ds.loader(shuffle=True)`` returned by a ``LightningDataModule``, recording every batch's sample indices.
+
+Run as a script, with ``tests`` on ``PYTHONPATH`` (Lightning's ``ddp`` starts rank 1 by running this file
+again)::
+
+    python lightning_script.py OUT CACHE --strategy ddp --epochs 2 [--every 3] [--resume CKPT] [--workers N]
+
+Each rank appends ``{"rank", "epoch", "batch", "step", "indices"}`` per training batch to ``OUT/rank<R>.jsonl``;
+with ``--every K`` a checkpoint is saved every K steps as ``OUT/ckpt/step=<S>.ckpt``; ``--resume`` continues from
+one. The source logs every sample it computes to ``OUT/calls`` (``helpers.sources.Counting``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import lightning as L  # noqa: N812 - the name Lightning's own documentation uses
+import torch
+from torch.utils.data import Dataset
+
+from helpers.sources import Counting
+from mmapcache import MmapCachedDataset
+
+
+class Numbered(Dataset):
+    """Sample ``i``: 4 floats from ``i`` and the label ``i`` (so a batch says which samples it holds)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((4,), float(i)) / self.n, i
+
+
+class Data(L.LightningDataModule):
+    def __init__(self, cache: str, out: str, n: int, workers: int) -> None:
+        super().__init__()
+        self.cache, self.out, self.n, self.workers = cache, out, n, workers
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        ds = MmapCachedDataset(self.cache, Counting(Numbered(self.n), os.path.join(self.out, "calls")),
+                               fingerprint=f"numbered-{self.n}")
+        return ds.loader(batch_size=8, shuffle=True, num_workers=self.workers)
+
+
+class Model(L.LightningModule):
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        x, labels = batch
+        record = {"rank": self.global_rank, "epoch": self.current_epoch, "batch": index, "step": self.global_step,
+                  "indices": labels.tolist()}
+        with open(os.path.join(self.out, f"rank{self.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("cache")
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--n", type=int, default=96)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--every", type=int)
+    parser.add_argument("--resume")
+    args = parser.parse_args()
+    callbacks = []
+    if args.every:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=os.path.join(args.out, "ckpt"), filename="{step}", every_n_train_steps=args.every,
+            save_top_k=-1))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=args.strategy, max_epochs=args.epochs, logger=False,
+                        enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(Model(args.out), datamodule=Data(args.cache, args.out, args.n, args.workers), ckpt_path=args.resume)
+
+
+if __name__ == "__main__":
+    main()
