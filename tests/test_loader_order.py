@@ -219,3 +219,19 @@ def test_a_stream_loader_resumes_through_the_same_protocol(cache_path: str) -> N
         again.load_state_dict(state)
         assert [b["i"].tolist() for b in again] == rest  # the same positions after the checkpoint
         assert [i for batch in head + rest for i in batch] == ds._ring.order(0).tolist()
+
+
+@pytest.mark.parametrize("process_group", [False, True])
+def test_a_torchrun_job_splits_each_epoch_with_no_sampler(shm_dir: str, tmp_path: Any, process_group: bool) -> None:
+    from helpers.torchrun import TESTS, finish, results, torchrun
+
+    out = tmp_path / "out"
+    out.mkdir()
+    script = os.path.join(TESTS, "helpers", "loader_script.py")
+    finish(torchrun(["--standalone", "--nproc-per-node=2", script, str(out), os.path.join(shm_dir, "c"), "--samples", "50",
+                     *(["--process-group"] if process_group else [])], {}))
+    ranks = results(str(out))
+    for epoch in range(2):
+        read = [r["epochs"][epoch] for r in ranks]
+        assert len(read[0]) == len(read[1]) == 25 and sorted(read[0] + read[1]) == list(range(50))
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1] and ranks[0]["batches"] == 7

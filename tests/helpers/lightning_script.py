@@ -19,23 +19,9 @@ import os
 
 import lightning as L  # noqa: N812 - the name Lightning's own documentation uses
 import torch
-from torch.utils.data import Dataset
 
-from helpers.sources import Counting
+from helpers.sources import Counting, Numbered
 from mmapcache import MmapCachedDataset
-
-
-class Numbered(Dataset):
-    """Sample ``i``: 4 floats from ``i`` and the label ``i`` (so a batch says which samples it holds)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return torch.full((4,), float(i)) / self.n, i
 
 
 class Data(L.LightningDataModule):

@@ -92,3 +92,16 @@ class Scaled(Dataset):
             with open(self.log, "a") as f:
                 f.write(f"{index}\n")
         return image_of(index).float() * self.scale, index % 10
+
+
+class Numbered(Dataset):
+    """Sample ``i``: 4 floats from ``i`` and the label ``i`` (so a batch says which samples it holds)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((4,), float(i)) / self.n, i
