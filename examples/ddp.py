@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                            rotate_every=args.rotate_every)
 
     start = time.perf_counter()
+    if ds.created:  # this rank created the cache: it stored the first sample and a few layout probes then
+        say(f"rank {rank}/{world}: created {ds.path} with {ds.num_cached} samples")
     stored = ds.prefill()  # this node's ranks fill disjoint parts; returns after a barrier
     held = f" (share: {ds.share.describe(len(ds))})" if ds.share is not None else ""
     say(f"rank {rank}/{world}: prefill stored {stored} samples in {time.perf_counter() - start:.2f} s; "

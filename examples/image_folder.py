@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"source: {len(source)} JPEGs under {source.folder}, resized to {args.size}x{args.size}, "
           f"random {args.crop}x{args.crop} crop + flip after the cache")
     already = ds.num_cached
-    if ds.created:  # creating a cache computes and stores its first sample, to learn the layout
-        print(f"cache:  {ds.path} (new: sample 0 stored while creating it, {len(ds) - 1} to fill)")
+    if ds.created:  # creating a cache computes and stores its first sample and a few probes, to learn the layout
+        print(f"cache:  {ds.path} (new: {already} samples stored while creating it, {len(ds) - already} to fill)")
     else:
         print(f"cache:  {ds.path} ({ds.num_cached} of {len(ds)} samples already cached)")
     loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,

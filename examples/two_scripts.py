@@ -51,8 +51,10 @@ def digest(ds: MmapCachedDataset) -> str:
 def fill(path: str, n: int) -> None:
     start = time.perf_counter()
     with MmapCachedDataset(path, SlowFeatures(n), fingerprint=f"slow-features-{n}") as ds:
-        # Creating the cache stored its first sample already (to learn the layout); fill() computes the rest.
-        stored = ds.fill() + (1 if ds.created else 0)
+        # Creating the cache stored its first sample and a few probes already (to learn the layout); fill()
+        # computes the rest.
+        created = ds.num_cached if ds.created else 0
+        stored = ds.fill() + created
         elapsed = time.perf_counter() - start
         print(f"fill: stored {stored} samples in {elapsed:.2f} s "
               f"({ds.num_cached}/{len(ds)} cached at {ds.path}); digest {digest(ds)}")

@@ -29,7 +29,6 @@ from ._open import Request, Source, open_cache
 from ._options import CreateOptions
 from ._paths import resolve_path
 from ._producer import Producer
-from ._rows import RowMap
 from ._share import Share, share_option
 from ._specs import DatasetSpec
 from ._store import Store
@@ -67,7 +66,7 @@ def build(
     max_bytes: int | str | None = None,
     variants: int | None = None,
     max_shapes: Mapping[str, Sequence[int]] | None = None,
-    ragged: Sequence[str] | str | None = None,
+    ragged: Sequence[str] | str | None = "auto",
     refresh: float | None = None,
     node_share: bool | tuple[int, int] = False,
     rotate_every: int | None = None,
@@ -168,12 +167,11 @@ def build(
             report.marked_stale = _mark_stale(store, refresh, report.refresh_seed)
         plan = Plan(path, spec, chunk_rows(store.rows), start, stop, fail_fast)
         driver = Driver(store, plan, workers, shard, report, progress, out or sys.stdout, started)
-        rows = RowMap.of(store)
-        if created and bool((driver.rows == rows.row(int(rows.cacheable()[0]), 0)).any()):
-            # This run created the cache, and stored its first sample then (to learn the layout): filled by us.
-            report.filled += 1
-            report.skipped -= 1
+        # This run created the cache, and stored its first sample and layout probes then: filled by us.
+        made = int(store.state.filled_rows(driver.rows).sum()) if created else 0
         driver.run(follow)
+        report.filled += made
+        report.skipped -= made
     finally:
         _release(store)
         report.elapsed = time.monotonic() - started

@@ -342,10 +342,11 @@ def _shape_message(field: Field, found: tuple[int, ...], index: int, path: str) 
         return (f"sample {index}, field {field.name!r}: expected shape {field.shape}, found {found}; every sample "
                 "must have the same number of dimensions in each field")
     return (f"sample {index}, field {field.name!r}: expected shape {field.shape}, found {found}: the field's shape "
-            f"varies, and the cache stores it in fixed rows of the first sample's shape. Declare it "
-            f"ragged=[{field.name!r}] (values packed at their own size; or ragged='auto' to find every such field "
-            f"from a few samples) or max_shapes={{{field.name!r}: ...}} (fixed rows of a maximum shape) in a new "
-            f"cache: pass overwrite=True with the option, or remove this cache (`mmapcache rm {path}`) first")
+            f"varies, and the cache stores it in fixed rows of one shape (the samples probed when it was created, "
+            f"with ragged='auto', the default, all had that shape; or it was made with ragged=None). Declare it "
+            f"ragged=[{field.name!r}] (values packed at their own size) or max_shapes={{{field.name!r}: ...}} (fixed "
+            f"rows of a maximum shape) in a new cache: pass overwrite=True with the option, or remove this cache "
+            f"(`mmapcache rm {path}`) first")
 
 
 def _check_unique_names(structure: Any, leaves: list[Leaf]) -> None:

@@ -197,9 +197,16 @@ def _create_locked(request: Request, source: Source) -> None:
     # With max_bytes, ragged values' sizes decide how many samples fit: estimate them from more than one sample.
     if auto or (options.max_bytes is not None and layout.ragged and not options.stream):
         slots, slot_index, _ = options.plan(layout, source.length)
-        cacheable = np.arange(slots) if slot_index is None else slot_index
-        spread = cacheable[np.linspace(0, len(cacheable) - 1, _PROBES).astype(np.int64)]
-        samples += [(int(i), source.fetch(int(i))) for i in dict.fromkeys(spread.tolist()) if i != index]
+        if options.stream:  # the next positions of epoch 0's order: stored in the ring as they will be read
+            probes = epoch_order(request.seed, 0, source.length)[1:min(_PROBES, slots - 1) + 1]
+        else:  # spread over the cacheable indices
+            cacheable = np.arange(slots) if slot_index is None else slot_index
+            probes = cacheable[np.linspace(0, len(cacheable) - 1, _PROBES).astype(np.int64)]
+        for i in dict.fromkeys(probes.tolist()):
+            if i != index:
+                # A probe the source fails on is left out: it fails again, with its index, when it is read.
+                with contextlib.suppress(Exception):
+                    samples.append((int(i), source.fetch(int(i))))
     # A source that refills one buffer for every sample (whole, or at shifting offsets) has overwritten the earlier
     # samples' values by now (their shapes, all the layout needs, are intact): each is computed again when stored.
     refills = len(samples) > 1 and overlaps([arrays_of(s) for _, s in samples])
@@ -220,11 +227,20 @@ def _create_locked(request: Request, source: Source) -> None:
         store = Store(directory, writable=True)
         try:
             reader = RowReader(store, recompute_stale=True)
-            if options.stream:  # the first sample is epoch 0's position 0: the ring's first value
-                values = source.values(reader, sample, index)
+            if options.stream:  # the first sample and the probes are epoch 0's positions 0, 1, ...: the ring's
                 ring = Ring(store)
                 try:
-                    ring.publish_first(functools.partial(reader.write, 0, values))
+                    values = source.values(reader, source.fetch(index) if refills else sample, index)
+                    ring.publish_created(0, functools.partial(reader.write, 0, values))
+                    order = epoch_order(request.seed, 0, source.length)
+                    position = {int(i): q for q, i in enumerate(order[:slots].tolist())}
+                    for i, probe in samples[1:]:
+                        q = position.get(i, -1)  # a probe is the value of its position in epoch 0's order
+                        if q < 1:
+                            continue
+                        with contextlib.suppress(Exception):  # not stored: computed again when read
+                            values = source.values(reader, source.fetch(i) if refills else probe, i)
+                            ring.publish_created(q, functools.partial(reader.write, q, values))
                 except NoRoom:
                     ragged = [f.name for f in layout.ragged]
                     if heap_budget is None:
@@ -245,7 +261,7 @@ def _create_locked(request: Request, source: Source) -> None:
                     continue
                 try:
                     values = source.values(reader, source.fetch(i) if refills else probe, i)
-                except (LayoutError, ValueError):
+                except Exception:
                     if number == 0:
                         raise
                     continue  # a probe that cannot be stored fails the same way when it is read

@@ -183,12 +183,14 @@ class Ring:
         finally:
             self.claims.release(row)
 
-    def publish_first(self, write: Any) -> None:
-        """Stores position 0 of epoch 0 (computed by the stream's creator to learn the layout) in row 0."""
-        self.state.publish(0, 0, write)
+    def publish_created(self, q: int, write: Any) -> None:
+        """Stores position ``q < S`` of epoch 0 in row ``q``: the samples the stream's creator computed to learn the
+        layout (positions 0, 1, ...). Producers then start after it; a position skipped below (a probe that could
+        not be stored) is claimed again as a lost one."""
+        self.state.publish(q, q, write)
 
         def account() -> None:
-            self.words[NEXT] = max(int(self.words[NEXT]), 1)
+            self.words[NEXT] = max(int(self.words[NEXT]), q + 1)
             self.words[PRODUCED] += 1
         self.state.under_lock(account)
 

@@ -173,9 +173,10 @@ def _parser() -> _Parser:
     p.add_argument("--max-shapes", metavar="JSON",
                    help="on creation, {field path: max shape} for fields whose shape varies, "
                         "e.g. '{\"0\": [3, 512, 512]}'")
-    p.add_argument("--ragged", metavar="FIELDS",
-                   help="on creation, fields whose shape varies, packed at each value's size: 'auto' (found from 8 "
-                        "samples) or field paths, e.g. 'input_ids,boxes'")
+    p.add_argument("--ragged", metavar="FIELDS", default="auto",
+                   help="on creation, fields whose shape varies, packed at each value's size: 'auto' (default: found "
+                        "from 8 samples), field paths, e.g. 'input_ids,boxes', or 'none' (every field keeps the first "
+                        "sample's shape)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                    help="on creation, record whether the source returns the same sample for an index every time "
                         "(default); --no-deterministic for random augmentation: openers then compare layouts, not "
@@ -263,12 +264,15 @@ def _failure_lines(failures: Sequence[Any], shown: int = 20) -> list[str]:
 
 
 def _ragged(text: str | None) -> list[str] | str | None:
-    """``--ragged``: ``auto``, or field paths separated by commas."""
+    """``--ragged``: ``auto``, ``none``, or field paths separated by commas."""
     if text is None or text == "auto":
         return text
+    if text == "none":
+        return None
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise UsageError("--ragged takes 'auto' or field paths separated by commas, e.g. --ragged input_ids,boxes")
+        raise UsageError("--ragged takes 'auto', 'none' or field paths separated by commas, e.g. --ragged "
+                         "input_ids,boxes")
     return names
 
 

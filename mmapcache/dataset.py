@@ -67,10 +67,12 @@ class MmapCachedDataset(Dataset):
         stale: what a reader does with a sample marked stale by ``refresh``: ``"recompute"`` it on access like a
             miss (default), or ``"serve"`` the previous version until a producer (``mmapcache build --follow``)
             replaces it.
-        ragged: field paths whose shape varies between samples (token ids, boxes), stored packed at each value's
-            own size, or ``"auto"``: the creator computes (and stores) 8 samples spread over the dataset and makes
-            ragged every field whose shape differs among them. ``str``/``bytes`` fields and 1-D lists of numbers
-            are always ragged; other fields keep the first sample's shape.
+        ragged: which fields are stored packed at each value's own size (token ids, boxes, audio). ``"auto"``
+            (default): when the first sample has an array field, the creator also computes (and stores) 8 samples
+            spread over the dataset, and every field whose shape differs among them is ragged, so a varying shape
+            needs no option. A list of field paths: those fields, and no probing. None: no probing, every field
+            keeps the first sample's shape. ``str``/``bytes`` fields and 1-D lists of numbers are always ragged.
+            A field that kept a shape and meets another later is a ``LayoutError`` naming the fix.
         max_shapes: ``{field_path: max_shape}`` for varying fields stored instead in fixed rows of the maximum
             shape (each sample's actual shape is stored beside it, and a hit returns exactly what was stored).
         node_share: cache only this node's share of the dataset (multi-node jobs whose dataset is larger than one
@@ -124,7 +126,7 @@ class MmapCachedDataset(Dataset):
         variant_choice: str = "epoch",
         seed: int = 0,
         stale: str = "recompute",
-        ragged: Sequence[str] | str | None = None,
+        ragged: Sequence[str] | str | None = "auto",
         max_shapes: Mapping[str, Sequence[int]] | None = None,
         node_share: bool | tuple[int, int] = False,
         rotate_every: int | None = None,

@@ -88,8 +88,9 @@ def test_sigkilled_build_resumes_and_completes(cache_path: str, tmp_path) -> Non
 
 def test_concurrent_builds_share_the_work(cache_path: str, tmp_path) -> None:
     n, workers = 96, 2
-    # Created, sample 0 stored. The fingerprint identifies the source, so the builds need not recompute sample 0.
-    MmapCachedDataset(cache_path, ImageLabels(n), fingerprint="gated").close()
+    # Created, sample 0 stored (no probes). The fingerprint identifies the source, so the builds need not recompute
+    # sample 0.
+    MmapCachedDataset(cache_path, ImageLabels(n), fingerprint="gated", ragged=None).close()
     gate, log = str(tmp_path / "go"), str(tmp_path / "calls")
     kwargs = f'{{"n": {n}, "log": "{log}", "gate": "{gate}"}}'
     procs = [subprocess.Popen([sys.executable, "-m", "mmapcache", "build", cache_path, "--dataset",
@@ -124,7 +125,7 @@ def test_shards_cover_everything_exactly_once(cache_path: str, tmp_path) -> None
     logs = [str(tmp_path / f"calls-{i}") for i in range(parts)]
     for i, log in enumerate(logs):
         code = main(["build", cache_path, "--dataset", f"{SPEC}:images", "--kwargs", f'{{"n": {n}, "log": "{log}"}}',
-                     "--workers", "2", "--shard", f"{i}/{parts}", "--fingerprint", "images"])
+                     "--workers", "2", "--shard", f"{i}/{parts}", "--fingerprint", "images", "--ragged", "none"])
         assert code == 0
         with MmapCachedDataset(cache_path) as ds:
             assert ds.num_cached < n or i == parts - 1  # a shard fills only its part
@@ -140,7 +141,7 @@ def test_torchrun_local_rank_selects_a_shard(cache_path: str, tmp_path, monkeypa
     n = 40
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    report = build(cache_path, f"{SPEC}:images", kwargs={"n": n}, workers=2)
+    report = build(cache_path, f"{SPEC}:images", kwargs={"n": n}, workers=2, ragged=None)  # creation: sample 0
     with MmapCachedDataset(cache_path) as ds:
         assert report.filled == ds.num_cached - 1 == n // 2  # rank 1's half (sample 0, rank 0's, came from creation)
     report = build(cache_path, f"{SPEC}:images", kwargs={"n": n}, workers=2, shard=None)  # explicit: everything

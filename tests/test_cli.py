@@ -30,7 +30,10 @@ def run(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
 
 
 def make_cache(path: str, n: int = 40, fill: int | None = None, **kwargs: object) -> None:
-    with MmapCachedDataset(path, ImageLabels(n), **kwargs) as ds:
+    """A cache of ``ImageLabels(n)`` holding exactly its first ``fill`` samples (no layout probes, which the creator
+    would store too)."""
+    kwargs.setdefault("ragged", None)
+    with MmapCachedDataset(path, ImageLabels(n), **kwargs) as ds:  # type: ignore[arg-type]
         ds.fill(range(n if fill is None else fill))
 
 

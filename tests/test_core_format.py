@@ -64,7 +64,7 @@ def _bytes(path: str) -> bytes:
 
 def _make(cache_path: str) -> MmapCachedDataset:
     source = Mixed()
-    ds = MmapCachedDataset(cache_path, source, fingerprint="fmt-test")
+    ds = MmapCachedDataset(cache_path, source, fingerprint="fmt-test", ragged=None)  # exactly FILLED stored
     for i in FILLED:
         ds[i]
     return ds

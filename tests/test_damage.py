@@ -20,8 +20,8 @@ N = 13  # not a multiple of 8: the bitmaps have spare bits past the last row
 
 @pytest.fixture
 def filled_cache(cache_path: str) -> str:
-    """A closed cache with samples 0..5 filled."""
-    with MmapCachedDataset(cache_path, ImageLabels(N)) as ds:
+    """A closed cache with samples 0..5 filled (and no others: no layout probes)."""
+    with MmapCachedDataset(cache_path, ImageLabels(N), ragged=None) as ds:
         ds.fill(range(6))
     return cache_path
 

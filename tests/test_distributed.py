@@ -1,6 +1,7 @@
 """Distributed use: ranks of one node share one cache and fill it cooperatively (``prefill``); several nodes each
 build their own. Real torchrun jobs on the gloo backend; "nodes" are torchrun launches with their own
-``MMAPCACHE_DIR`` (each node of a real cluster has its own /dev/shm)."""
+``MMAPCACHE_DIR`` (each node of a real cluster has its own /dev/shm). Caches here are made with ``ragged=None`` (the
+creator stores sample 0 and no layout probes), so the shares each rank fills are exact."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_two_nodes_each_build_their_own_cache(shm_dir: str, tmp_path) -> None:
 
 
 def _prefill_rank(path: str, log: str, rank: int, world: int, barrier: multiprocessing.synchronize.Barrier) -> None:
-    ds = MmapCachedDataset(path, Counting(ImageLabels(N, delay=0.002), log))
+    ds = MmapCachedDataset(path, Counting(ImageLabels(N, delay=0.002), log), ragged=None)
     barrier.wait(TIMEOUT)
     prefill(ds, rank=rank, world_size=world)
     # The cache-based barrier returned: every sample must be filled now, whoever filled it.
@@ -88,7 +89,7 @@ def _prefill_rank(path: str, log: str, rank: int, world: int, barrier: multiproc
 
 def test_prefill_without_process_group_waits_on_the_cache(cache_path: str, tmp_path) -> None:
     log = str(tmp_path / "calls")
-    MmapCachedDataset(cache_path, ImageLabels(N)).close()  # created (sample 0 stored) before the ranks start
+    MmapCachedDataset(cache_path, ImageLabels(N), ragged=None).close()  # created (sample 0 stored) before the ranks
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(2)
     procs = [ctx.Process(target=_prefill_rank, args=(cache_path, log, r, 2, barrier)) for r in range(2)]
@@ -100,14 +101,14 @@ def test_prefill_without_process_group_waits_on_the_cache(cache_path: str, tmp_p
 
 def test_prefill_fills_the_share_of_a_missing_peer_after_patience(cache_path: str, tmp_path) -> None:
     source = Counting(ImageLabels(N), str(tmp_path / "calls"))
-    with MmapCachedDataset(cache_path, source) as ds:
+    with MmapCachedDataset(cache_path, source, ragged=None) as ds:
         stored = prefill(ds, rank=0, world_size=3, patience=0.2)  # ranks 1 and 2 never come
         assert ds.num_cached == N and stored == N - 1
         assert sorted(calls(source.log)) == list(range(N)) and max(calls(source.log).values()) == 1
 
 
 def test_prefill_without_barrier_fills_only_its_share(cache_path: str) -> None:
-    with MmapCachedDataset(cache_path, ImageLabels(N)) as ds:
+    with MmapCachedDataset(cache_path, ImageLabels(N), ragged=None) as ds:
         assert prefill(ds, rank=1, world_size=4, barrier=False) == N // 4
         filled = [i for i in range(N) if ds.is_cached(i)]
         assert filled == sorted({0, *range(1, N, 4)})

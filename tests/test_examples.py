@@ -50,7 +50,8 @@ def test_image_folder_cold_then_warm(shm_dir: str, tmp_path) -> None:
     args = [sys.executable, os.path.join(EXAMPLES, "image_folder.py"), "--data-dir", str(data), "--images", "24",
             "--size", "32", "--epochs", "2", "--workers", "2", "--batch-size", "8", "--cache", cache]
     out = run(args)
-    assert "(new: sample 0 stored while creating it, 23 to fill)" in out, out
+    created = re.search(r"\(new: (\d+) samples stored while creating it, (\d+) to fill\)", out)
+    assert created and int(created.group(1)) + int(created.group(2)) == 24, out
     assert re.search(r"epoch 1: .*\(cold: decoding JPEGs\)", out) and re.search(r"epoch 2: .*\(warm\)", out), out
     assert "summary: 24 of 24 images cached" in out and "faster from the cache" in out, out
     folder = data / "jpegs-24"
@@ -87,7 +88,7 @@ def test_two_scripts_fill_then_unrelated_reader(shm_dir: str) -> None:
     fill = re.search(r"fill: stored (\d+) samples .* digest (\w+)", out)
     read = re.search(r"read: 40 samples .* without the source; digest (\w+)", out)
     assert fill and read, out
-    assert int(fill.group(1)) == 40  # all of them: sample 0 while creating the cache, the rest by fill()
+    assert int(fill.group(1)) == 40  # all of them: sample 0 and probes while creating the cache, the rest by fill()
     assert fill.group(2) == read.group(1)
     assert _format.is_cache(cache)  # persists after both processes exited
 
@@ -111,7 +112,9 @@ def test_ddp_example_under_torchrun(shm_dir: str) -> None:
                os.path.join(EXAMPLES, "ddp.py"), "--samples", "64", "--epochs", "2", "--steps", "2",
                "--batch-size", "8", "--workers", "1", "--cache", cache, "--delete-on-close"])
     stored = [int(n) for n in re.findall(r"rank \d/2: prefill stored (\d+) samples .* 64/64 cached", out)]
-    assert len(stored) == 2 and sum(stored) == 63, out  # disjoint shares, each sample computed once on the node
+    created = [int(n) for n in re.findall(r"rank \d/2: created .* with (\d+) samples", out)]
+    assert len(stored) == 2 and len(created) == 1, out
+    assert sum(stored) + created[0] == 64, out  # disjoint shares, each sample computed once on the node
     assert re.search(r"epoch 1: mean loss over 2 ranks \d+\.\d+", out), out
     assert os.listdir(shm_dir) == []  # --delete-on-close: the last rank out removed the cache
 

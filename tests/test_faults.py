@@ -391,7 +391,8 @@ def test_nan_stored_bit_for_bit_without_check_finite(cache_path: str) -> None:
 
 @pytest.mark.slow
 def test_hanging_source_surfaces_as_dataloader_timeout(cache_path: str) -> None:
-    ds = MmapCachedDataset(cache_path, fw.Failing(8, bad=3, mode="hang", hang_seconds=30))
+    # ragged=None: no layout probes at creation (a probe of sample 3 would hang the creator instead of a worker)
+    ds = MmapCachedDataset(cache_path, fw.Failing(8, bad=3, mode="hang", hang_seconds=30), ragged=None)
     loader = DataLoader(ds, batch_size=None, num_workers=1, timeout=2, multiprocessing_context="fork")
     with pytest.raises(RuntimeError, match="timed out"):
         for _ in loader:
@@ -416,7 +417,7 @@ def test_unprivileged_user_of_a_read_only_cache(cache_path: str) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to switch to an unprivileged user (root ignores file modes)")
     n, filled = 12, [0, 1, 2, 5]
-    with MmapCachedDataset(cache_path, ImageLabels(n)) as ds:
+    with MmapCachedDataset(cache_path, ImageLabels(n), ragged=None) as ds:  # no probes: exactly these filled
         ds.fill(filled)
     _make_read_only(cache_path)
     queue = FORK.Queue()

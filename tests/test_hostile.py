@@ -23,7 +23,7 @@ N = 16
 
 @pytest.fixture
 def filled_cache(cache_path: str) -> str:
-    with MmapCachedDataset(cache_path, ImageLabels(N)) as ds:
+    with MmapCachedDataset(cache_path, ImageLabels(N), ragged=None) as ds:  # no probes: exactly half filled
         ds.fill(range(8))  # half filled: the other half are misses that write
     return cache_path
 

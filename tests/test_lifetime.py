@@ -106,7 +106,7 @@ def users() -> Iterator[Users]:
 
 
 def test_a_cache_persists_by_default(cache_path: str) -> None:
-    MmapCachedDataset(cache_path, ImageLabels(8)).close()
+    MmapCachedDataset(cache_path, ImageLabels(8), ragged=None).close()  # stores sample 0 (no layout probes)
     assert _format.is_cache(cache_path)
     with MmapCachedDataset(cache_path) as ds:
         assert ds.num_cached == 1

@@ -228,8 +228,8 @@ def test_a_torchrun_job_splits_each_epoch_with_no_sampler(shm_dir: str, tmp_path
     out = tmp_path / "out"
     out.mkdir()
     script = os.path.join(TESTS, "helpers", "loader_script.py")
-    finish(torchrun(["--standalone", "--nproc-per-node=2", script, str(out), os.path.join(shm_dir, "c"), "--samples", "50",
-                     *(["--process-group"] if process_group else [])], {}))
+    finish(torchrun(["--standalone", "--nproc-per-node=2", script, str(out), os.path.join(shm_dir, "c"),
+                     "--samples", "50", *(["--process-group"] if process_group else [])], {}))
     ranks = results(str(out))
     for epoch in range(2):
         read = [r["epochs"][epoch] for r in ranks]

@@ -87,8 +87,8 @@ def test_spawned_unrelated_process_reads_by_path(cache_path: str) -> None:
 def test_dataloader_workers_fill_then_read_identical_batches(cache_path: str, method: str) -> None:
     n = 40
     source = ImageLabels(n)
-    ds = MmapCachedDataset(cache_path, source)
-    assert ds.num_cached == 1  # only the layout probe: the workers fill the rest
+    ds = MmapCachedDataset(cache_path, source, ragged=None)
+    assert ds.num_cached == 1  # only the first sample (no layout probes): the workers fill the rest
     expected = list(DataLoader(source, batch_size=4))
     expected_single = list(DataLoader(source, batch_size=None))
     # batch_size=4 makes the workers fetch through ds.__getitems__; batch_size=None through ds.__getitem__.
@@ -111,7 +111,7 @@ def test_dataloader_workers_fill_then_read_identical_batches(cache_path: str, me
 
 
 def test_dataloader_worker_errors_reach_the_main_process_with_their_type(cache_path: str) -> None:
-    MmapCachedDataset(cache_path, ImageLabels(8)).close()  # only sample 0 is filled
+    MmapCachedDataset(cache_path, ImageLabels(8), ragged=None).close()  # only sample 0 is filled
     ro = MmapCachedDataset(cache_path)
     loader = DataLoader(ro, batch_size=2, num_workers=1, multiprocessing_context="fork")
     with pytest.raises(SampleNotCachedError, match="sample 1 is not in the cache"):

@@ -230,7 +230,7 @@ def test_versioned_sample_detects_mixed_versions() -> None:
 
 
 def test_fill_without_a_source_says_it_needs_one(cache_path: str) -> None:
-    with MmapCachedDataset(cache_path, RandomAugment(6)) as ds:
+    with MmapCachedDataset(cache_path, RandomAugment(6), ragged=None) as ds:  # no probes: sample 0 stored
         ds.fill(range(3))
     with MmapCachedDataset(cache_path) as ds:
         assert ds.fill(range(3)) == 0  # nothing to do: no source needed

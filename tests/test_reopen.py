@@ -201,7 +201,7 @@ def test_refresh_takes_numpy_fractions(cache_path: str) -> None:
 
 
 def test_created_says_who_made_the_cache(cache_path: str) -> None:
-    with MmapCachedDataset(cache_path, ImageLabels(8)) as first:
+    with MmapCachedDataset(cache_path, ImageLabels(8), ragged=None) as first:
         assert first.created and first.num_cached == 1  # the first sample, stored while creating the cache
     with MmapCachedDataset(cache_path, ImageLabels(8)) as again, MmapCachedDataset(cache_path) as reader:
         assert not again.created and not reader.created

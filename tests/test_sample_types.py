@@ -358,7 +358,8 @@ def test_an_empty_first_list_takes_its_element_type_from_the_probes(cache_path: 
         assert [ds[i]["ids"] for i in range(20)] == tokens
         assert all(type(x) is int for x in ds[3]["ids"])
     # Without probes the type cannot be known (float64), and a later int list says why and what to do.
-    with MmapCachedDataset(cache_path + "-plain", [{"ids": t} for t in tokens], delete_on_close=True) as ds:
+    with MmapCachedDataset(cache_path + "-plain", [{"ids": t} for t in tokens], delete_on_close=True,
+                           ragged=None) as ds:
         with pytest.raises(LayoutError, match=r"field 'ids': expected pylist of dtype <f8, found pylist of dtype "
                                               r"<i8.*empty.*ragged='auto'"):
             ds[1]

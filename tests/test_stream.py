@@ -82,8 +82,9 @@ def test_without_a_producer_the_reader_computes_everything(cache_path: str) -> N
             indices, tokens = _epoch(loader)
             assert indices == epoch_order(1, epoch, N).tolist() and len(set(tokens)) == N
         stats = ds.stream_stats
-        # The first position was stored when the stream was created (to learn the layout): served, fresh.
-        assert stats["served"] == 1 and stats["computed"] == 2 * N - 1
+        # The first 9 positions were stored when the stream was created (the first sample and 8 layout probes):
+        # served, fresh.
+        assert stats["served"] == 9 and stats["computed"] == 2 * N - 9
 
 
 def test_ranks_share_one_ring_as_distributed_sampler_splits(cache_path: str) -> None:
@@ -204,7 +205,8 @@ def test_waiting_for_a_dead_producer_times_out_naming_it(cache_path: str) -> Non
     with MmapCachedDataset(cache_path, Fresh(N), stream=True, seed=3, on_miss="wait", wait_timeout=1.0) as ds:
         loader = ds.loader(batch_size=16)
         start = time.monotonic()
-        with pytest.raises(StreamTimeoutError, match=r"waited 1 s for position 1 of epoch 0 .* no producer is "
+        # Positions 0-8 were stored by the creator (the first sample and the layout probes): 9 is the first missing.
+        with pytest.raises(StreamTimeoutError, match=r"waited 1 s for position 9 of epoch 0 .* no producer is "
                                                      r"running .*`mmapcache build .* --follow .* on_miss='compute'"):
             next(iter(loader))
         assert time.monotonic() - start < 30

@@ -153,7 +153,7 @@ def test_wrong_number_of_dimensions_is_refused(cache_path: str) -> None:
 
 
 def test_undeclared_varying_field_points_to_ragged_not_to_the_largest_shape_so_far(cache_path: str) -> None:
-    with MmapCachedDataset(cache_path, Images()) as ds:
+    with MmapCachedDataset(cache_path, Images(), ragged=None) as ds:  # no probes: the layout of sample 0 alone
         with pytest.raises(LayoutError) as caught:
             ds[1]
         message = str(caught.value)

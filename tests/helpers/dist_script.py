@@ -31,8 +31,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     source = ImageLabels(args.samples, delay=args.delay)
+    # ragged=None: the creator stores sample 0 only (no layout probes), so the shares prefill fills are exact.
     ds = MmapCachedDataset(args.cache_name, Counting(source, args.calls), fingerprint="dist-test",
-                           delete_on_close=False)
+                           delete_on_close=False, ragged=None)
     local_rank, local_world = local_rank_and_size(ds.path)
     stored = ds.prefill()  # barrier: torch.distributed.barrier(), so every rank of the job is done here
     cached_after_prefill = ds.num_cached
