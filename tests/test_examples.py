@@ -119,6 +119,18 @@ def test_ddp_example_under_torchrun(shm_dir: str) -> None:
     assert os.listdir(shm_dir) == []  # --delete-on-close: the last rank out removed the cache
 
 
+def test_lightning_example_checkpoints_and_resumes_mid_epoch(shm_dir: str, tmp_path) -> None:
+    script = os.path.join(EXAMPLES, "lightning_ddp.py")
+    ckpt = str(tmp_path / "ckpt")
+    common = [sys.executable, script, "--data-dir", str(tmp_path / "data"), "--images", "64", "--epochs", "2",
+              "--cache", os.path.join(shm_dir, "lightning"), "--checkpoints", ckpt, "--every", "3"]
+    out = run(common)  # 2 ranks x 2 batches of 16 per epoch: a checkpoint at step 3, mid epoch 1
+    assert re.search(r"rank 1: epoch 1 batch 1 \(step 3\)", out) and "done: 4 steps" in out, out
+    out = run([*common, "--resume", os.path.join(ckpt, "epoch=1-step=3.ckpt")])
+    assert "rank 0: resumed at epoch 1 batch 1" in out and "rank 1: resumed at epoch 1 batch 1" in out, out
+    assert "epoch 0" not in out and "done: 4 steps" in out, out
+
+
 def test_ddp_example_with_node_shares_on_two_nodes(shm_dir: str) -> None:
     out = two_nodes(lambda node: [os.path.join(EXAMPLES, "ddp.py"), "--samples", "64", "--epochs", "3", "--steps",
                                   "2", "--batch-size", "8", "--workers", "0", "--cache", "ddp", "--node-share",
