@@ -24,9 +24,9 @@ import time
 
 import lightning as L  # noqa: N812 - the name Lightning's own documentation uses
 import torch
+from image_folder import JpegFolder, RandomCropFlip, default_folder, generate_images
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from image_folder import JpegFolder, RandomCropFlip, default_folder, generate_images
 from mmapcache import MmapCachedDataset
 
 
