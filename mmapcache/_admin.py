@@ -10,7 +10,7 @@ import os
 
 from . import _format as fmt
 from ._create import directory_lock, is_scratch, move_to_scratch, parent_lock, remove_scratch
-from ._files import open_file
+from ._files import is_cache, open_file, read_meta
 from ._paths import cache_root, resolve_path
 from .errors import CacheFormatError, CacheInUseError, CacheNotFoundError
 
@@ -93,7 +93,7 @@ def _check_removable(path: str, force: bool) -> str:
     if not os.path.isdir(path) or fmt.META not in os.listdir(path):
         raise CacheFormatError(f"{path} is not an mmapcache cache (no {fmt.META}); refusing to remove it")
     try:
-        fmt.read_meta(path)
+        read_meta(path)
     except CacheFormatError as exc:
         if not force or not {fmt.LOCK, fmt.USERS, fmt.FILLED} <= set(os.listdir(path)):
             raise CacheFormatError(f"{path} does not look like a valid cache ({exc}); refusing to remove it"
@@ -123,7 +123,7 @@ def delete(path: str) -> None:
 
     Processes that still map its files keep their pages until they unmap them (tmpfs frees them then).
     """
-    if not fmt.is_cache(path):
+    if not is_cache(path):
         raise CacheFormatError(f"{path} is not an mmapcache cache (no {fmt.META}); refusing to remove it")
     remove_scratch(move_to_scratch(path))
 
@@ -155,7 +155,7 @@ def _remove_if_orphaned(path: str) -> bool:
     (the lock is refused) or finds it gone (``Store.attach``). Caller holds the parent lock.
     """
     try:
-        meta = fmt.read_meta(path)
+        meta = read_meta(path)
     except (CacheFormatError, OSError):
         return False
     if not meta.get("delete_on_close"):

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _format as fmt
 from ._driver import BuildReport, Driver, Failure
+from ._files import is_cache, read_meta
 from ._fill import Plan, chunk_rows
 from ._open import Request, Source, open_cache
 from ._options import CreateOptions
@@ -138,7 +138,7 @@ def build(
     if refresh is not None and (isinstance(refresh, bool) or not 0 <= refresh <= 1):
         raise ValueError(f"refresh must be a fraction in [0, 1], got {refresh!r}")
     share = share_option(node_share, rotate_every, share_seed)
-    existing = fmt.read_meta(path) if fmt.is_cache(path) else None
+    existing = read_meta(path) if is_cache(path) else None
     if existing is not None and existing["mode"] == "stream":
         stream, stream_seed = True, existing["stream"]["seed"]  # an existing stream: produce for it as it is
     if stream and not follow:

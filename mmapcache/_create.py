@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import _format as fmt
+from ._files import write_meta
 from ._filled import bitmap_bytes
 from ._heap import BLOCK as HEAP_BLOCK
 from ._layout import Layout
@@ -154,7 +155,7 @@ def create(
             state_files += [(fmt.RING, 8 * fmt.RING_WORDS), (fmt.PRODUCERS, 0)]
         for name, size in state_files:
             _reserve(os.path.join(tmp, name), size)
-        fmt.write_meta(tmp, meta)  # last: a directory with meta.json is a complete cache
+        write_meta(tmp, meta)  # last: a directory with meta.json is a complete cache
         if prepare is not None:
             prepare(tmp)
         os.rename(tmp, path)

@@ -1,4 +1,5 @@
-"""Opening the files inside a cache: never through a symbolic link, and only the cache's own regular files.
+"""Opening the files inside a cache: never through a symbolic link, and only the cache's own regular files; and
+reading and writing its ``meta.json`` (whose content ``_format`` defines).
 
 Whoever can write a cache's directory can replace a file in it with a symbolic link (or a hard link) to a file
 elsewhere; a writer following it would overwrite that file. Every file of a cache is therefore opened here:
@@ -10,12 +11,15 @@ the file, so a damaged or tampered cache is refused, never written through.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
+from typing import Any
 
+from ._format import META, parse_meta
 from .errors import CacheFormatError
 
-__all__ = ["open_file", "check_entry"]
+__all__ = ["open_file", "check_entry", "is_cache", "read_meta", "write_meta"]
 
 
 def _fix(directory: str) -> str:
@@ -64,3 +68,41 @@ def check_entry(st: os.stat_result, device: int) -> str | None:
     if st.st_dev != device:
         return "lies on another file system than its cache directory"
     return None
+
+
+# --- meta.json ---------------------------------------------------------------------------------------------------
+
+
+def is_cache(path: str) -> bool:
+    """Whether ``path`` is a directory holding a ``meta.json`` (a complete cache: it is written last)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, META))
+
+
+def write_meta(directory: str, meta: dict[str, Any]) -> None:
+    # 0o664 minus the umask, never writable by others (see _create.FILE_MODE).
+    fd = os.open(os.path.join(directory, META), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o664)
+    with open(fd, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+
+
+def read_meta(directory: str) -> dict[str, Any]:
+    """Reads ``meta.json`` (safely: ``open_file``) and validates it (``_format.parse_meta``).
+
+    Raises:
+        CacheFormatError: not a cache, unknown magic or version, or a malformed file; the message names the
+            file, what was found and what was expected, and the fix.
+    """
+    path = os.path.join(directory, META)
+    fix = f"remove the damaged cache with `mmapcache rm --force {directory}` and build it again"
+    try:
+        with open(open_file(directory, META, os.O_RDONLY), encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise CacheFormatError(
+            f"{directory} is not an mmapcache cache (it has no {META}); pass the path of a cache (`mmapcache ls` "
+            "lists them) or a path that does not exist yet"
+        ) from None
+    except (PermissionError, UnicodeDecodeError) as exc:
+        raise CacheFormatError(f"{path} cannot be read ({exc}); {fix}") from None
+    return parse_meta(text, directory)

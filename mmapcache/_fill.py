@@ -25,6 +25,7 @@ from ._reader import RowReader
 from ._rows import RowMap
 from ._specs import DatasetSpec
 from ._store import Store
+from ._writer import RowWriter
 from .errors import CacheFormatError, CacheNotFoundError
 
 __all__ = ["Plan", "Filler", "chunk_rows", "chunk_targets", "Task"]
@@ -75,6 +76,7 @@ class _Worker:
         self.store = Store(plan.path)
         self.rows = RowMap.of(self.store)
         self.reader = RowReader(self.store, recompute_stale=True)
+        self.writer = RowWriter(self.store)
         self.claims = ChunkClaims(plan.path)
         self.dataset = plan.source()
         self.set_epoch = getattr(self.dataset, "set_epoch", None) if self.store.variants > 1 else None
@@ -133,7 +135,7 @@ class Filler:
                     worker.set_epoch(variant)  # sources that key their augmentation on the epoch
                 values = reader.check(worker.dataset[index], index)
                 try:
-                    stored = state.publish(row, index, functools.partial(reader.write, row, values))
+                    stored = state.publish(row, index, functools.partial(worker.writer.write, row, values))
                 except NoRoom:
                     result["no_room"].append(row)  # the heap is full: reported, not an error of the sample
                     continue

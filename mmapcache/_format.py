@@ -170,7 +170,6 @@ import os
 import re
 from typing import Any
 
-from ._files import open_file
 from ._layout import (
     BOOL,
     BYTE_KINDS,
@@ -209,11 +208,6 @@ RING_WORDS = 8 + 2 * 256  # the counters, then two words per consumer rank (see 
 PRODUCERS = "producers"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}$")
-
-
-def is_cache(path: str) -> bool:
-    """Whether ``path`` is a directory holding a ``meta.json`` (a complete cache: it is written last)."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, META))
 
 
 def field_files(layout: Layout) -> list[dict[str, str | None]]:
@@ -273,33 +267,15 @@ def make_meta(
     }
 
 
-def write_meta(directory: str, meta: dict[str, Any]) -> None:
-    # 0o664 minus the umask, never writable by others (see _create.FILE_MODE).
-    fd = os.open(os.path.join(directory, META), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o664)
-    with open(fd, "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
-        f.write("\n")
-
-
-def read_meta(directory: str) -> dict[str, Any]:
-    """Reads and validates ``meta.json``.
+def parse_meta(text: str, directory: str) -> dict[str, Any]:
+    """``meta.json``'s text, parsed and validated (the cache at ``directory`` is named in errors).
 
     Raises:
-        CacheFormatError: not a cache, unknown magic or version, or a malformed file; the message names the
-            file, what was found and what was expected, and the fix.
+        CacheFormatError: unknown magic or version, or a malformed file; the message names the file, what was
+            found and what was expected, and the fix.
     """
     path = os.path.join(directory, META)
     fix = f"remove the damaged cache with `mmapcache rm --force {directory}` and build it again"
-    try:
-        with open(open_file(directory, META, os.O_RDONLY), encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise CacheFormatError(
-            f"{directory} is not an mmapcache cache (it has no {META}); pass the path of a cache (`mmapcache ls` "
-            "lists them) or a path that does not exist yet"
-        ) from None
-    except (PermissionError, UnicodeDecodeError) as exc:
-        raise CacheFormatError(f"{path} cannot be read ({exc}); {fix}") from None
     try:
         meta = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -324,6 +300,8 @@ def read_meta(directory: str) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise CacheFormatError(f"{path} is malformed ({type(exc).__name__}: {exc}); {fix}") from None
     return meta
+
+
 
 
 def _check_meta(meta: dict[str, Any]) -> None:

@@ -32,7 +32,7 @@ values, the rows' slack (under 2x each), the free lists (counted in ``free``) an
 half at a time with values of 32..2400 bytes level off at 1.5x the live values (flat from round 10 to 80). A writer
 killed mid-write leaks at most the extents it was moving (counted nowhere; the row itself reads as unfilled), never
 hands one extent to two rows: the next writer of a row whose counter is odd ignores that row's old extent (see
-``RowReader.write``).
+``RowWriter.write``).
 
 When the file system or the cache's heap budget has no room, ``allocate`` returns None and the sample is served
 uncached (``uncached`` counts it).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import sys
@@ -12,9 +11,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate, default_convert
+from torch.utils.data import DataLoader, Dataset, default_collate, default_convert
 
 from ._order import BatchOrder, EpochStart
+from ._streaming import StreamLoader
 from .collate import PadCollate
 from .errors import WorkerStartError
 
@@ -41,21 +41,11 @@ class BatchReader(Protocol):
 
     path: str
 
-    def stream_start(self, rank: int, ranks: int) -> tuple[int, int]: ...
-
-    def stream_consumed(self, rank: int, ranks: int, epoch: int, k: int, stats: dict[str, int]) -> None: ...
-
-    def stream_progress(self, rank: int) -> tuple[int, int] | None: ...
-
-    def stream_seek(self, rank: int, ranks: int, epoch: int, k: int) -> None: ...
-
-    def read_stream_batch(self, epoch: int, rank: int, ranks: int, k0: int, k1: int, pad: Any = None,
-                          collate: Any = None) -> tuple[dict[str, int], Any]: ...
-
     def read_batch(self, indices: Sequence[int] | np.ndarray, epoch: int | None = None, pad: Any = None, *,
                    trusted: bool = False) -> Any: ...
 
     def __len__(self) -> int: ...
+
 
 def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
     """``ds.loader(**kwargs)``: a ``CacheLoader``, or a ``StreamLoader`` for a stream (see ``ds.loader``)."""
@@ -65,7 +55,7 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
     if pad is not None:
         pad.check_fields(set(ds.fields))
     if ds.stream:
-        return StreamLoader(ds, pad, **kwargs)
+        return StreamLoader(ds, pad, **kwargs)  # type: ignore[arg-type]
     batch_size = kwargs.pop("batch_size", 1)
     shuffle = kwargs.pop("shuffle", None)
     sampler = kwargs.pop("sampler", None)
@@ -250,127 +240,6 @@ class _Samples(Dataset):
         if not self.batched:
             return self.collate(self.ds[indices])
         return self.collate(self.ds.__getitems__(indices.tolist()))
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-
-def alloc_shared(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A numpy array over a fresh shared-memory tensor storage: a worker's batch then crosses to the main process
-    without the copy that sending an ordinary tensor costs (torch's default collate does the same)."""
-    tensor = torch.from_numpy(np.empty(0, dtype))
-    count = math.prod(shape)
-    storage = tensor.untyped_storage()._new_shared(count * dtype.itemsize)
-    return tensor.new(storage).view(-1)[:count].view(shape).numpy() if count else np.empty(shape, dtype)
-
-
-# --- stream mode ---------------------------------------------------------------------------------------------------
-
-
-class StreamLoader:
-    """``ds.loader()`` over a stream: each iteration yields this rank's next epoch of the stream's order (or the
-    rest of the epoch it was reading), in batches, and moves the rank's cursor past each batch as the training loop
-    receives it. The batches are read by an inner DataLoader (its workers, if any); see ``mmapcache._stream``.
-
-    Takes DataLoader's arguments except those that choose the order (``shuffle``, ``sampler``, ``batch_sampler``,
-    ``generator``: the stream's seeded order is fixed), plus ``rank``/``world_size`` (default: the local rank and
-    the ranks of this node that share the ring, as ``prefill`` finds them).
-    """
-
-    def __init__(self, ds: BatchReader, pad: PadCollate | None, **kwargs: Any) -> None:
-        for name in ("shuffle", "sampler", "batch_sampler", "generator"):
-            if kwargs.get(name) not in (None, False):
-                raise ValueError(f"{name}= chooses an order, and a stream reads its own seeded order (the seed= it "
-                                 f"was created with); leave {name} out of ds.loader()")
-            kwargs.pop(name, None)
-        batch_size = kwargs.pop("batch_size", 1)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1 for a stream, got {batch_size!r}")
-        rank, world_size = kwargs.pop("rank", None), kwargs.pop("world_size", None)
-        if (rank is None) != (world_size is None):
-            raise TypeError("ds.loader() takes both rank= and world_size=, or neither (for the environment's)")
-        if rank is None:
-            from .distributed import local_rank_and_size
-
-            rank, world_size = local_rank_and_size(ds.path)
-        if not 0 <= rank < world_size <= _MAX_RANKS:
-            raise ValueError(f"rank {rank} of {world_size}: need 0 <= rank < world_size <= {_MAX_RANKS}")
-        self.ds, self.rank, self.ranks = ds, rank, world_size
-        self.batch_size, self.drop_last = batch_size, bool(kwargs.pop("drop_last", False))
-        collate = kwargs.pop("collate_fn", None)
-        self.per_rank = -(-len(ds) // world_size)
-        self._plan = _Plan()
-        self._loader = DataLoader(_StreamReads(ds, rank, world_size, pad, None if pad is not None else collate),
-                                  batch_size=None, sampler=self._plan, collate_fn=_identity, **kwargs)
-
-    def __iter__(self) -> Iterator[Any]:
-        epoch, start = self.ds.stream_start(self.rank, self.ranks)
-        stop = self.per_rank - (self.per_rank - start) % self.batch_size if self.drop_last else self.per_rank
-        self._plan.items = [(epoch, a, min(a + self.batch_size, stop)) for a in range(start, stop, self.batch_size)]
-        for (epoch, _, end), (stats, batch) in zip(self._plan.items, self._loader):
-            self.ds.stream_consumed(self.rank, self.ranks, epoch, end, stats)
-            yield batch
-        if stop < self.per_rank:  # drop_last: the short tail is not read, but it is passed
-            self.ds.stream_consumed(self.rank, self.ranks, epoch, self.per_rank, {})
-
-    def __len__(self) -> int:
-        """Batches in one whole epoch of this rank."""
-        return self.per_rank // self.batch_size if self.drop_last else -(-self.per_rank // self.batch_size)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where this rank is in the stream: its epoch and the positions handed to the training loop (its cursor,
-        which the ring also keeps). ``CacheLoader``'s protocol."""
-        epoch, position = self.ds.stream_progress(self.rank) or (self.ds.epoch, 0)
-        return {"format": _STREAM_STATE_FORMAT, "length": len(self.ds), "world_size": self.ranks, "rank": self.rank,
-                "batch_size": self.batch_size, "epoch": epoch, "position": position}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Moves this rank's cursor to where ``state`` was (a checkpoint restored after the run went on: the
-        positions read since are read again, computed afresh where the ring no longer holds them).
-
-        Raises:
-            ValueError: not a stream loader's state, or one of another dataset length, batch size or rank count.
-        """
-        if not isinstance(state, dict) or state.get("format") != _STREAM_STATE_FORMAT:
-            raise ValueError(f"not a state of a stream's ds.loader() (format {_STREAM_STATE_FORMAT!r}); pass what its "
-                             "state_dict() returned")
-        mine = {"length": len(self.ds), "world_size": self.ranks, "rank": self.rank, "batch_size": self.batch_size}
-        differ = [f"{key} {state.get(key)!r} in the state, {value!r} here" for key, value in mine.items()
-                  if state.get(key) != value]
-        if differ:
-            raise ValueError(f"this loader state was saved by a loader of another shape ({'; '.join(differ)}): "
-                             "resuming from it would read other positions")
-        self.ds.stream_seek(self.rank, self.ranks, int(state["epoch"]), int(state["position"]))
-
-
-_STREAM_STATE_FORMAT = "mmapcache.stream_loader/1"
-
-
-_MAX_RANKS = 256
-
-
-class _Plan(Sampler):
-    """The batches of the current iteration, set by ``StreamLoader`` before the inner DataLoader starts it."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[int, int, int]] = []
-
-    def __iter__(self) -> Iterator[tuple[int, int, int]]:
-        return iter(list(self.items))
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-
-class _StreamReads(Dataset):
-    """Maps ``(epoch, k0, k1)`` to ``(stats, batch)``: this rank's positions ``k0 .. k1-1``."""
-
-    def __init__(self, ds: BatchReader, rank: int, ranks: int, pad: PadCollate | None, collate: Any) -> None:
-        self.ds, self.rank, self.ranks, self.pad, self.collate = ds, rank, ranks, pad, collate
-
-    def __getitem__(self, key: tuple[int, int, int]) -> tuple[dict[str, int], Any]:
-        epoch, k0, k1 = key
-        return self.ds.read_stream_batch(epoch, self.rank, self.ranks, k0, k1, self.pad, self.collate)
 
     def __len__(self) -> int:
         return len(self.ds)

@@ -16,6 +16,7 @@ from ._filled import NoRoom
 from ._reader import RowReader
 from ._rows import RowMap
 from ._store import Store
+from ._writer import RowWriter
 from .errors import CacheReadOnlyWarning, SampleNotCachedError, warn
 
 # A batch's computed misses: (position in the batch, source index, checked values or None when the values are
@@ -59,6 +60,7 @@ class Misses:
 
     def __init__(self, source: Any, store: Store, rows: RowMap, reader: RowReader, check_finite: bool) -> None:
         self.source, self.store, self.rows, self.reader = source, store, rows, reader
+        self.writer = RowWriter(store)
         self.path = store.path
         self.check_finite = check_finite
         self.fetch = fetcher(source, self.path)
@@ -101,7 +103,7 @@ class Misses:
             _warn_read_only(self.path)
             return values
         with contextlib.suppress(NoRoom):  # no heap room: served uncached (counted, and warned once)
-            self.store.state.publish(row, index, functools.partial(reader.write, row, values))
+            self.store.state.publish(row, index, functools.partial(self.writer.write, row, values))
         return values
 
     # --- a batch's misses --------------------------------------------------------------------------------------
@@ -200,12 +202,13 @@ class Misses:
             _, first = np.unique(targets, return_index=True)  # an index asked twice in a batch: stored once
             positions = positions[np.sort(first)]
             keys = np.array([index for _, index, _ in computed], np.int64)[np.sort(first)]
-            state.publish_rows(rows[positions], keys, lambda todo: reader.write_rows(rows, columns, positions[todo]))
+            state.publish_rows(rows[positions], keys, lambda todo: self.writer.write_rows(rows, columns,
+                                                                                             positions[todo]))
             return
         writes: list[tuple[int, int, Callable[[bool], None]]] = []
         for k, index, values in computed:
             assert values is not None  # only fixed layouts leave the values in the columns alone
-            writes.append((int(rows[k]), index, functools.partial(reader.write, int(rows[k]), values)))
+            writes.append((int(rows[k]), index, functools.partial(self.writer.write, int(rows[k]), values)))
         state.publish_many(writes)
 
 

@@ -46,6 +46,7 @@ from ._share import Share
 from ._store import Store
 from ._stream import Ring, epoch_order
 from ._version import __version__
+from ._writer import RowWriter
 from .errors import CacheMismatchError, CacheNotFoundError, InsufficientSpaceError, LayoutError
 
 __all__ = ["Source", "Request", "open_cache", "identity"]
@@ -226,12 +227,12 @@ def _create_locked(request: Request, source: Source) -> None:
         # In the cache still under its temporary name, so no opener ever finds these samples missing.
         store = Store(directory, writable=True)
         try:
-            reader = RowReader(store, recompute_stale=True)
+            reader, writer = RowReader(store, recompute_stale=True), RowWriter(store)
             if options.stream:  # the first sample and the probes are epoch 0's positions 0, 1, ...: the ring's
                 ring = Ring(store)
                 try:
                     values = source.values(reader, source.fetch(index) if refills else sample, index)
-                    ring.publish_created(0, functools.partial(reader.write, 0, values))
+                    ring.publish_created(0, functools.partial(writer.write, 0, values))
                     order = epoch_order(request.seed, 0, source.length)
                     position = {int(i): q for q, i in enumerate(order[:slots].tolist())}
                     for i, probe in samples[1:]:
@@ -240,7 +241,7 @@ def _create_locked(request: Request, source: Source) -> None:
                             continue
                         with contextlib.suppress(Exception):  # not stored: computed again when read
                             values = source.values(reader, source.fetch(i) if refills else probe, i)
-                            ring.publish_created(q, functools.partial(reader.write, q, values))
+                            ring.publish_created(q, functools.partial(writer.write, q, values))
                 except NoRoom:
                     ragged = [f.name for f in layout.ragged]
                     if heap_budget is None:
@@ -266,7 +267,7 @@ def _create_locked(request: Request, source: Source) -> None:
                         raise
                     continue  # a probe that cannot be stored fails the same way when it is read
                 with contextlib.suppress(NoRoom):  # a probe without heap room (max_bytes): computed again later
-                    store.state.publish(row, i, functools.partial(reader.write, row, values))
+                    store.state.publish(row, i, functools.partial(writer.write, row, values))
         finally:
             store.close()
 

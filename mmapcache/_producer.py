@@ -26,6 +26,7 @@ from ._parent import die_with_parent
 from ._reader import RowReader
 from ._store import Store
 from ._stream import Ring, register_producer
+from ._writer import RowWriter
 from .errors import CacheFormatError, CacheNotFoundError
 
 __all__ = ["Producer", "SourceFactory", "produce"]
@@ -48,7 +49,7 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None) -> dict
     KeyboardInterrupt. Returns what it did: ``{"produced", "skipped", "failed"}``."""
     store = Store(path)
     store.attach()  # a user of the cache while it runs (`mmapcache rm` refuses, `ls` counts it)
-    reader = RowReader(store, recompute_stale=True)
+    reader, writer = RowReader(store, recompute_stale=True), RowWriter(store)
     ring = Ring(store)
     registration = register_producer(path)
     source = make_source()
@@ -73,7 +74,7 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None) -> dict
                 done["failed"] += 1
                 continue
             try:
-                stored = ring.publish(q, functools.partial(reader.write, q % ring.slots, values))
+                stored = ring.publish(q, functools.partial(writer.write, q % ring.slots, values))
             except NoRoom:
                 stored = False  # a full heap (max_bytes): the reader computes it
             done["produced" if stored else "skipped"] += 1

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _format as fmt
 from ._admin import users_of
 from ._create import free_bytes
+from ._files import is_cache
 from ._paths import cache_root, resolve_path
 from ._rows import RowMap
 from ._share import Share
@@ -164,7 +164,7 @@ def list_caches(directory: str | os.PathLike[str] | None = None) -> list[dict[st
     entries = []
     for name in sorted(os.listdir(directory)):
         full = os.path.join(directory, name)
-        if name.startswith(".") or os.path.islink(full) or not fmt.is_cache(full):
+        if name.startswith(".") or os.path.islink(full) or not is_cache(full):
             continue
         entry: dict[str, Any] = {"name": name, "path": full, "users": users_of(full)}
         try:

@@ -111,6 +111,6 @@ class ShareSampler(Sampler[int]):
 
 
 def _local(path: str) -> tuple[int, int]:
-    from .distributed import local_rank_and_size
+    from ._share import local_rank_and_size
 
     return local_rank_and_size(path)

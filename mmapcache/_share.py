@@ -1,4 +1,6 @@
-"""Node shares: which part of the dataset each node of a multi-node job caches, and which node this process is on.
+"""Where this process is in a job, and node shares: its rank in the job (``job_rank_and_size``) and among the ranks of
+its node that share a cache (``local_rank_and_size``), which node it is on, and which part of the dataset each
+node of a multi-node job caches.
 
 A dataset larger than one node's memory is partitioned: every node caches only its *share*, the ``node``-th of
 ``nodes`` near-equal parts of a seeded permutation of the indices (``_format`` defines it byte for byte), so the
@@ -10,7 +12,9 @@ over a long run each node sees other samples, at the price of refilling its cach
 Which node a process is on comes from, in order: torchrun's environment (``GROUP_RANK`` or ``NODE_RANK``, with
 ``WORLD_SIZE / LOCAL_WORLD_SIZE`` nodes, else ``RANK // LOCAL_WORLD_SIZE``), SLURM's (``SLURM_NODEID`` of
 ``SLURM_NNODES``), or an initialised ``torch.distributed`` process group (ranks grouped by host name). A process
-that none of these describe is the only node.
+that none of these describe is the only node. Its rank among the node's ranks: torchrun's ``LOCAL_RANK``/
+``LOCAL_WORLD_SIZE``, SLURM's ``SLURM_LOCALID``/``SLURM_NTASKS_PER_NODE``, or the process group (ranks grouped by host
+name and the cache's parent directory, one collective call).
 """
 
 from __future__ import annotations
@@ -103,11 +107,8 @@ def job_rank_and_size() -> tuple[int, int]:
     Raises:
         ValueError: an environment variable that is not an integer, or a rank outside the size.
     """
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        dist = None  # type: ignore[assignment]
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    dist = initialised_dist()
+    if dist is not None:
         return dist.get_rank(), dist.get_world_size()
     env = os.environ
     for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
@@ -152,11 +153,8 @@ def node_of_process() -> tuple[int, int]:
 
 def _process_group_nodes() -> tuple[int, int] | None:
     """``(node, nodes)`` from an initialised process group: nodes are the distinct host names, in rank order."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
+    dist = initialised_dist()
+    if dist is None:
         return None
     hosts: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())
@@ -178,3 +176,58 @@ def _checked(node: int, nodes: int, source: str) -> tuple[int, int]:
     if nodes < 1 or not 0 <= node < nodes:
         raise ValueError(f"{source} = {node}/{nodes}: need 0 <= node < nodes; fix the launcher's environment")
     return node, nodes
+
+
+def local_rank_and_size(path: str | None = None) -> tuple[int, int]:
+    """This process's rank among the processes of its node that share the cache, and their number.
+
+    Args:
+        path: the cache path; only used when the ranks are grouped through ``torch.distributed`` (ranks whose
+            host and cache parent directory are the same share a cache).
+
+    Returns ``(0, 1)`` when nothing says this process has peers. Not a collective call, except when a process
+    group is initialised and neither torchrun's nor SLURM's variables are set: then every rank must call it.
+    """
+    env = os.environ
+    if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env:
+        return checked_rank(env_int("LOCAL_RANK"), env_int("LOCAL_WORLD_SIZE"), "LOCAL_RANK/LOCAL_WORLD_SIZE")
+    if "SLURM_LOCALID" in env and "SLURM_NTASKS_PER_NODE" in env:
+        return checked_rank(env_int("SLURM_LOCALID"), env_int("SLURM_NTASKS_PER_NODE"),
+                        "SLURM_LOCALID/SLURM_NTASKS_PER_NODE")
+    group = _process_group_local(path)
+    if group is not None:
+        return group
+    return 0, 1
+
+
+def initialised_dist():  # -> the torch.distributed module, or None
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if dist.is_available() and dist.is_initialized():
+        return dist
+    return None
+
+
+def _process_group_local(path: str | None) -> tuple[int, int] | None:
+    """Local rank and size from an initialised process group: ranks on the same host sharing the cache's parent."""
+    dist = initialised_dist()
+    if dist is None:
+        return None
+    where = os.path.dirname(path) if path else ""
+    try:
+        st = os.stat(where) if where else None
+    except OSError:
+        st = None
+    key = (socket.gethostname(), where, None if st is None else (st.st_dev, st.st_ino))
+    keys: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    peers = [r for r, k in enumerate(keys) if k == key]
+    return peers.index(dist.get_rank()), len(peers)
+
+
+def checked_rank(rank: int, size: int, source: str) -> tuple[int, int]:
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"{source} = {rank}/{size}: need 0 <= rank < world_size and world_size >= 1")
+    return rank, size

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _format as fmt
 from ._admin import delete
-from ._files import open_file
+from ._files import is_cache, open_file, read_meta
 from ._filled import SlotState, map_exact
 from ._heap import BLOCK as HEAP_BLOCK
 from ._heap import Heap
@@ -64,7 +64,7 @@ class Store:
         # removed, and another created in its place, while this process opens it).
         self._dir_id = (st.st_dev, st.st_ino)
         try:
-            self.meta = fmt.read_meta(path)
+            self.meta = read_meta(path)
         except CacheFormatError:
             if self.moved():
                 raise CacheNotFoundError(_removed_message(path)) from None
@@ -273,7 +273,7 @@ class Store:
                 fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False  # another user holds it
-            if self.moved() or not fmt.is_cache(self.path):
+            if self.moved() or not is_cache(self.path):
                 return False
             delete(self.path)
             return True

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _format as fmt
 from ._codec import differing_field
-from ._files import check_entry
+from ._files import check_entry, read_meta
 from ._paths import resolve_path
 from ._rows import RowMap
 from ._specs import DatasetSpec
@@ -76,7 +76,7 @@ def verify(path: str | os.PathLike[str], dataset: Any = None, *, kwargs: dict[st
     if entries:
         return VerifyResult(path, problems=entries)
     if os.path.isdir(path) and not os.path.lexists(os.path.join(path, fmt.META)):
-        fmt.read_meta(path)  # not a cache at all (no meta.json): the error says so, and is not damage
+        read_meta(path)  # not a cache at all (no meta.json): the error says so, and is not damage
     try:
         store = Store(path, writable=False)
     except CacheFormatError as exc:  # damage found while opening: a finding, like the others

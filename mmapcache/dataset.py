@@ -18,8 +18,9 @@ from torch.utils.data import Dataset
 
 from ._create import parent_lock
 from ._filled import NoRoom
+from ._gather import alloc_shared
 from ._heap import UNCACHED
-from ._loader import alloc_shared, make_loader
+from ._loader import make_loader
 from ._misses import Misses, checker, fetcher
 from ._open import Request, Source, identity, open_cache
 from ._options import ON_MISS, STALE_MODES, CreateOptions, check_bool, check_choice, check_optional_str, source_length
@@ -31,7 +32,8 @@ from ._rows import VARIANT_CHOICES, RowMap, check_index, check_indices
 from ._sampler import ShareSampler
 from ._share import Share, share_option
 from ._store import Store
-from ._stream import Ring, producers_of, read_positions
+from ._stream import Ring, producers_of
+from ._streaming import StreamReads
 from .distributed import DEFAULT_PATIENCE
 from .errors import SampleNotCachedError, StreamBypassWarning, UsageError, warn
 
@@ -188,7 +190,15 @@ class MmapCachedDataset(Dataset):
         self._rows = RowMap.of(store, variant_choice=self.variant_choice, seed=self.seed)
         self._reader = RowReader(store, recompute_stale=self.stale == "recompute")
         self._ring = Ring(store) if store.meta["mode"] == "stream" else None
-        self._misses = Misses(self.dataset, store, self._rows, self._reader, self.check_finite)
+        self._misses = misses = Misses(self.dataset, store, self._rows, self._reader, self.check_finite)
+        reader = self._reader
+
+        def compute(index: int) -> list[Any]:
+            return misses.checked(reader, misses.fetch(index), index)
+
+        self._streams = None if self._ring is None else StreamReads(
+            self._ring, reader, compute if self.dataset is not None else None, self._epoch_view,
+            self.on_miss == "wait", self.wait_timeout)
         # The cache's recorded lifetime applies to every user; an opener may also ask for removal of its own.
         delete = self.delete_on_close or bool(store.meta.get("delete_on_close"))
         self._finalizer = weakref.finalize(self, _close_store, store, delete, self._ring)
@@ -208,7 +218,8 @@ class MmapCachedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_store", "_reader", "_rows", "_ring", "_misses", "_finalizer", "_open_lock", "_epoch_view"):
+        for key in ("_store", "_reader", "_rows", "_ring", "_misses", "_streams", "_finalizer", "_open_lock",
+                    "_epoch_view"):
             state.pop(key, None)
         return state
 
@@ -391,7 +402,7 @@ class MmapCachedDataset(Dataset):
             if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1 or (keyed and state.keys[row] != i):
                 values = self._misses.checked(reader, self._misses.fetch(i), i)
                 with contextlib.suppress(NoRoom):  # no heap room: stays a miss (counted in the heap, warned once)
-                    stored += state.publish(row, i, functools.partial(reader.write, row, values))
+                    stored += state.publish(row, i, functools.partial(self._misses.writer.write, row, values))
         return stored
 
     def prefill(self, *, rank: int | None = None, world_size: int | None = None, barrier: bool = True,
@@ -490,71 +501,11 @@ class MmapCachedDataset(Dataset):
             raise UsageError(f"the cache at {self.path} is not a stream; open it with stream=True (a new path)")
         return self._ring
 
-    def stream_start(self, rank: int, ranks: int) -> tuple[int, int]:
-        """Where rank ``rank`` of ``ranks`` starts reading: its position ``(epoch, k)`` in the stream, recorded as
-        its cursor. That is this epoch's start (``set_epoch``), or later if the rank already read part of it (a
-        restarted reader resumes; nothing it was served is served again). Used by ``ds.loader``."""
-        ring = self._stream_ring()
-        per_rank = ring.per_rank(self._length, ranks)
-        start = (int(self._epoch_view[0]), 0)
-        progress = ring.progress(rank)
-        if progress is not None and progress > start:
-            start = progress
-        if start[1] >= per_rank:
-            start = (start[0] + 1, 0)
-        ring.set_progress(rank, ranks, *start)
-        self._epoch_view[0] = start[0]
-        return start
-
-    def stream_consumed(self, rank: int, ranks: int, epoch: int, k: int, stats: dict[str, int]) -> None:
-        """Records that rank ``rank`` was handed its positions up to ``k`` of ``epoch`` (moves its cursor, counts
-        ``stats``). Called by ``ds.loader`` in the process that iterates it."""
-        ring = self._stream_ring()
-        ring.set_progress(rank, ranks, epoch, k)
-        ring.count(**stats)
-
-    def stream_progress(self, rank: int) -> tuple[int, int] | None:
-        """``(epoch, k)``: rank ``rank`` was handed its first ``k`` positions of ``epoch``; None if it never read."""
-        return self._stream_ring().progress(rank)
-
-    def stream_seek(self, rank: int, ranks: int, epoch: int, k: int) -> None:
-        """Moves rank ``rank``'s cursor to its position ``k`` of ``epoch`` (a restored checkpoint's); the dataset's
-        epoch follows. Used by ``ds.loader().load_state_dict``."""
-        self._stream_ring().set_progress(rank, ranks, epoch, k)
-        self._epoch_view[0] = epoch
-
-    def read_stream_batch(self, epoch: int, rank: int, ranks: int, k0: int, k1: int, pad: Any = None,
-                          collate: Callable[[list[Any]], Any] | None = None) -> tuple[dict[str, int], Any]:
-        """Positions ``k0 .. k1-1`` of rank ``rank`` of ``ranks`` in epoch ``epoch``, collated (``read_batch``'s
-        batch; with ``collate`` or a ``transform``, ``collate([transform(sample), ...])``), and the counts of values
-        served, computed and the time waited. Safe across processes and threads."""
-        ring = self._stream_ring()
-        reader = self._ensure_open()
-        positions = rank + np.arange(k0, k1, dtype=np.int64) * ranks
-        alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
-
-        misses = self._misses
-
-        def compute(index: int) -> list[Any]:
-            if self.dataset is None:
-                raise SampleNotCachedError(
-                    f"sample {index} of the stream at {self.path} is not in its ring (no producer has computed it), "
-                    "and the stream was opened without a source dataset; open it with MmapCachedDataset(path, "
-                    "dataset, stream=True) to compute such samples, or start producers (`mmapcache build PATH "
-                    "--dataset SPEC --follow`)")
-            return misses.checked(reader, misses.fetch(index), index)
-
-        columns, stats = read_positions(ring, reader, epoch, positions, compute, wait=self.on_miss == "wait",
-                                        timeout=self.wait_timeout, alloc=alloc)
-        if reader.variable:
-            samples = [reader.sample_from_values([c[k] for c in columns]) for k in range(len(positions))]
-        elif collate is not None or self.transform is not None:
-            samples = reader.samples(columns)
-        else:
-            return stats, reader.collate(columns, pad)
-        if self.transform is not None:
-            samples = [self.transform(sample) for sample in samples]
-        return stats, (collate or pad or torch.utils.data.default_collate)(samples)
+    def stream_reads(self) -> StreamReads:
+        """The reading side of this stream in this process (``_streaming.StreamReads``), for ``ds.loader``."""
+        self._stream_ring()
+        assert self._streams is not None  # made with the ring
+        return self._streams
 
     def close(self) -> None:
         """Unmaps the cache in this process; with ``delete_on_close``, the last user removes it."""
@@ -562,7 +513,8 @@ class MmapCachedDataset(Dataset):
         if finalizer is not None:
             finalizer()
         self._reader = None
-        self.__dict__.pop("_misses", None)  # it holds the reader's maps; _ensure_open makes a new one
+        for held in ("_misses", "_streams"):  # they hold the reader's maps; _ensure_open makes new ones
+            self.__dict__.pop(held, None)
 
     def __enter__(self) -> MmapCachedDataset:
         return self

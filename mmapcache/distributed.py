@@ -15,15 +15,13 @@ host name and by the identity of the cache's parent directory, one collective ca
 from __future__ import annotations
 
 import operator
-import os
-import socket
 import time
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
-from ._share import env_int
+from ._share import checked_rank, initialised_dist, local_rank_and_size
 
 
 class Fillable(Protocol):
@@ -48,28 +46,6 @@ DEFAULT_PATIENCE = 60.0
 _POLL = 0.05
 # Without progress for this long after a heap ran out of room, the rest is taken as unstorable (see _wait_filled).
 _HEAP_FULL_PATIENCE = 1.0
-
-
-def local_rank_and_size(path: str | None = None) -> tuple[int, int]:
-    """This process's rank among the processes of its node that share the cache, and their number.
-
-    Args:
-        path: the cache path; only used when the ranks are grouped through ``torch.distributed`` (ranks whose
-            host and cache parent directory are the same share a cache).
-
-    Returns ``(0, 1)`` when nothing says this process has peers. Not a collective call, except when a process
-    group is initialised and neither torchrun's nor SLURM's variables are set: then every rank must call it.
-    """
-    env = os.environ
-    if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env:
-        return _checked(env_int("LOCAL_RANK"), env_int("LOCAL_WORLD_SIZE"), "LOCAL_RANK/LOCAL_WORLD_SIZE")
-    if "SLURM_LOCALID" in env and "SLURM_NTASKS_PER_NODE" in env:
-        return _checked(env_int("SLURM_LOCALID"), env_int("SLURM_NTASKS_PER_NODE"),
-                        "SLURM_LOCALID/SLURM_NTASKS_PER_NODE")
-    group = _process_group_local(path)
-    if group is not None:
-        return group
-    return 0, 1
 
 
 def prefill(
@@ -108,14 +84,14 @@ def prefill(
     if rank is None:
         rank, world_size = local_rank_and_size(ds.path)
     else:
-        rank, world_size = _checked(_as_int(rank, "rank"), _as_int(world_size, "world_size"), "rank/world_size")
+        rank, world_size = checked_rank(_as_int(rank, "rank"), _as_int(world_size, "world_size"), "rank/world_size")
     if isinstance(patience, bool) or not isinstance(patience, (int, float)) or patience < 0:
         raise ValueError(f"patience must be a number of seconds >= 0, got {patience!r}")
     indices = ds.cacheable_indices()
     stored = ds.fill(indices[rank::world_size])
     if not barrier:
         return stored
-    dist = _initialised_dist()
+    dist = initialised_dist()
     if dist is not None:
         dist.barrier()
         return stored
@@ -140,33 +116,6 @@ def _wait_filled(ds: Fillable, indices: np.ndarray, patience: float) -> int:
         time.sleep(_POLL)
 
 
-def _initialised_dist():  # -> the torch.distributed module, or None
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    if dist.is_available() and dist.is_initialized():
-        return dist
-    return None
-
-
-def _process_group_local(path: str | None) -> tuple[int, int] | None:
-    """Local rank and size from an initialised process group: ranks on the same host sharing the cache's parent."""
-    dist = _initialised_dist()
-    if dist is None:
-        return None
-    where = os.path.dirname(path) if path else ""
-    try:
-        st = os.stat(where) if where else None
-    except OSError:
-        st = None
-    key = (socket.gethostname(), where, None if st is None else (st.st_dev, st.st_ino))
-    keys: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, key)
-    peers = [r for r, k in enumerate(keys) if k == key]
-    return peers.index(dist.get_rank()), len(peers)
-
-
 def _as_int(value: object, name: str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")
@@ -174,9 +123,3 @@ def _as_int(value: object, name: str) -> int:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-
-
-def _checked(rank: int, size: int, source: str) -> tuple[int, int]:
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"{source} = {rank}/{size}: need 0 <= rank < world_size and world_size >= 1")
-    return rank, size

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from mmapcache import MmapCachedDataset
+from mmapcache._writer import RowWriter
 
 
 class FieldSource(Dataset):
@@ -229,6 +230,7 @@ def lock_publisher(mode: str, path: str, rows: list[int], poll: float, seconds: 
         own = state.lock
         state.lock = _Polled()
     value = [np.zeros(f.shape, f.np_dtype) for f in reader.fields]  # fixed-shape fields only
+    writer = RowWriter(reader.store)
     ready.set()
     if not go.wait(120):
         out.put((0, 0.0, 0.0))
@@ -237,7 +239,7 @@ def lock_publisher(mode: str, path: str, rows: list[int], poll: float, seconds: 
     count = 0
     for row in rows:
         with state.lock:  # the writer lock's handover plus a row's write: what a publish costs under contention
-            reader.write(row, value, True)
+            writer.write(row, value, True)
         count += 1
         if time.perf_counter() - start > seconds:
             break
