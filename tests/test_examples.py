@@ -14,7 +14,7 @@ import pytest
 
 from helpers.sources import sample_equal
 from helpers.torchrun import two_nodes
-from mmapcache import MmapCachedDataset, _format
+from mmapcache import MmapCachedDataset, _files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -90,7 +90,7 @@ def test_two_scripts_fill_then_unrelated_reader(shm_dir: str) -> None:
     assert fill and read, out
     assert int(fill.group(1)) == 40  # all of them: sample 0 and probes while creating the cache, the rest by fill()
     assert fill.group(2) == read.group(1)
-    assert _format.is_cache(cache)  # persists after both processes exited
+    assert _files.is_cache(cache)  # persists after both processes exited
 
 
 def test_fresh_augmentation_stream(shm_dir: str, tmp_path) -> None:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from helpers.processes import join_all, running
 from helpers.sources import ImageLabels, sample_equal
-from mmapcache import CacheNotFoundError, MmapCachedDataset, _admin, _create, _format, _store
+from mmapcache import CacheNotFoundError, MmapCachedDataset, _admin, _create, _files, _store
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 60.0
@@ -107,7 +107,7 @@ def users() -> Iterator[Users]:
 
 def test_a_cache_persists_by_default(cache_path: str) -> None:
     MmapCachedDataset(cache_path, ImageLabels(8), ragged=None).close()  # stores sample 0 (no layout probes)
-    assert _format.is_cache(cache_path)
+    assert _files.is_cache(cache_path)
     with MmapCachedDataset(cache_path) as ds:
         assert ds.num_cached == 1
 
@@ -127,19 +127,19 @@ def test_last_of_several_opens_removes_in_any_order(cache_path: str, order: tupl
     for step, k in enumerate(order):
         opened[k].close()
         opened[k].close()  # idempotent: a second close must not count twice
-        assert _format.is_cache(cache_path) == (step < 2), f"after closing {order[:step + 1]}"
+        assert _files.is_cache(cache_path) == (step < 2), f"after closing {order[:step + 1]}"
 
 
 def test_users_closing_exiting_and_killed_in_other_processes(cache_path: str, users: Users) -> None:
     u = users.start(*[cache_path] * 4)
     assert _admin.users_of(cache_path) == sorted(user.pid for user in u)
     u[1].kill()
-    assert _format.is_cache(cache_path)
+    assert _files.is_cache(cache_path)
     u[0].exit()  # interpreter exit without close(): the finalizer detaches
-    assert _format.is_cache(cache_path)
+    assert _files.is_cache(cache_path)
     assert _admin.users_of(cache_path) == sorted([u[2].pid, u[3].pid])
     u[3].close()
-    assert _format.is_cache(cache_path) and _admin.users_of(cache_path) == [u[2].pid]
+    assert _files.is_cache(cache_path) and _admin.users_of(cache_path) == [u[2].pid]
     u[2].close()  # the last user, even though two others never called close()
     assert not os.path.exists(cache_path)
     assert os.listdir(os.path.dirname(cache_path)) == []
@@ -151,10 +151,10 @@ def test_killing_the_last_user_leaves_an_orphan_the_next_sweep_removes(shm_dir: 
     users.start(kept, delete=False)
     for user in users:
         user.kill()
-    assert _format.is_cache(orphan) and _admin.users_of(orphan) == []
+    assert _files.is_cache(orphan) and _admin.users_of(orphan) == []
     MmapCachedDataset(other, ImageLabels(4)).close()  # creating a cache in the same parent sweeps
     assert not os.path.exists(orphan)
-    assert _format.is_cache(kept) and _format.is_cache(other)  # persistent caches are never swept
+    assert _files.is_cache(kept) and _files.is_cache(other)  # persistent caches are never swept
     assert sorted(os.listdir(shm_dir)) == ["kept", "other"]
 
 
@@ -163,7 +163,7 @@ def test_sweep_leaves_a_used_delete_on_close_cache_alone(shm_dir: str) -> None:
     with MmapCachedDataset(used, ImageLabels(4), delete_on_close=True):
         with _create.parent_lock(used):
             assert _admin.sweep(shm_dir) == []
-        assert _format.is_cache(used)
+        assert _files.is_cache(used)
     assert not os.path.exists(used)
 
 
@@ -176,7 +176,7 @@ def test_dataloader_workers_do_not_count_or_remove(cache_path: str, context: str
         seen = [sample for images, labels in loader for sample in zip(images, labels.tolist())]
         assert len(seen) == 16 and all(sample_equal(s, source[i]) for i, s in enumerate(seen))
         del loader
-        assert _format.is_cache(cache_path), "a worker's exit removed the cache the main process still holds"
+        assert _files.is_cache(cache_path), "a worker's exit removed the cache the main process still holds"
         assert _admin.users_of(cache_path) == [os.getpid()]
     assert ds.num_cached == 16
     ds.close()
