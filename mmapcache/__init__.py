@@ -64,32 +64,32 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # what the lazy names below are, for type checkers
-    from ._admin import gc, remove
-    from ._build import build
-    from ._driver import BuildReport
-    from ._paths import cache_root
-    from ._report import describe, list_caches
-    from ._sampler import ShareSampler
-    from ._verify import VerifyResult, verify
-    from .collate import PadCollate, Padded
+    from .admin.report import describe, list_caches
+    from .admin.verify import VerifyResult, verify
     from .dataset import MmapCachedDataset
+    from .fill.build import build
+    from .fill.driver import BuildReport
+    from .read.collate import PadCollate, Padded
+    from .read.sampler import ShareSampler
+    from .store.admin import gc, remove
+    from .store.paths import cache_root
 
 # Loaded lazily (PEP 562): the dataset module imports torch, and the others need not be paid for by a script
 # that only opens a cache, so `mmapcache inspect` starts without importing torch.
 _LAZY = {
     "MmapCachedDataset": "dataset",
-    "PadCollate": "collate",
-    "Padded": "collate",
-    "ShareSampler": "_sampler",
-    "build": "_build",
-    "BuildReport": "_driver",
-    "verify": "_verify",
-    "VerifyResult": "_verify",
-    "describe": "_report",
-    "list_caches": "_report",
-    "cache_root": "_paths",
-    "remove": "_admin",
-    "gc": "_admin",
+    "PadCollate": "read.collate",
+    "Padded": "read.collate",
+    "ShareSampler": "read.sampler",
+    "build": "fill.build",
+    "BuildReport": "fill.driver",
+    "verify": "admin.verify",
+    "VerifyResult": "admin.verify",
+    "describe": "admin.report",
+    "list_caches": "admin.report",
+    "cache_root": "store.paths",
+    "remove": "store.admin",
+    "gc": "store.admin",
 }
 
 

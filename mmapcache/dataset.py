@@ -16,26 +16,34 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ._create import parent_lock
-from ._filled import NoRoom
-from ._gather import alloc_shared
-from ._heap import UNCACHED
-from ._loader import make_loader
-from ._misses import Misses, checker, fetcher
-from ._open import Request, Source, identity, open_cache
-from ._options import ON_MISS, STALE_MODES, CreateOptions, check_bool, check_choice, check_optional_str, source_length
-from ._paths import resolve_path
-from ._producer import Producer
-from ._producer import SourceFactory as _SourceFactory
-from ._reader import RowReader
-from ._rows import VARIANT_CHOICES, RowMap, check_index, check_indices
-from ._sampler import ShareSampler
-from ._share import Share, share_option
-from ._store import Store
-from ._stream import Ring, producers_of
-from ._streaming import StreamReads
 from .distributed import DEFAULT_PATIENCE
 from .errors import SampleNotCachedError, StreamBypassWarning, UsageError, warn
+from .fill.misses import Misses, checker, fetcher
+from .fill.open import Request, Source, identity, open_cache
+from .fill.options import (
+    ON_MISS,
+    STALE_MODES,
+    CreateOptions,
+    check_bool,
+    check_choice,
+    check_optional_str,
+    source_length,
+)
+from .fill.producer import Producer
+from .fill.producer import SourceFactory as _SourceFactory
+from .read.gather import alloc_shared
+from .read.loader import make_loader
+from .read.reader import RowReader
+from .read.sampler import ShareSampler
+from .read.stream import StreamReads
+from .store.create import parent_lock
+from .store.heap import UNCACHED
+from .store.paths import resolve_path
+from .store.ring import Ring, producers_of
+from .store.rows import VARIANT_CHOICES, RowMap, check_index, check_indices
+from .store.share import Share, share_option
+from .store.state import NoRoom
+from .store.store import Store
 
 __all__ = ["MmapCachedDataset"]
 

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ._share import checked_rank, initialised_dist, local_rank_and_size
+from .store.share import checked_rank, initialised_dist, local_rank_and_size
 
 
 class Fillable(Protocol):

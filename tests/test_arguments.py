@@ -14,7 +14,7 @@ import pytest
 
 from helpers.sources import ImageLabels
 from mmapcache import MmapCachedDataset, build
-from mmapcache._sizes import parse_size
+from mmapcache.format.sizes import parse_size
 
 GIB = 1024**3
 

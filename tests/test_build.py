@@ -16,8 +16,8 @@ import torch
 from helpers.processes import kill_alive
 from helpers.sources import ImageLabels, sample_equal
 from mmapcache import MmapCachedDataset, build
-from mmapcache._fill import chunk_rows
 from mmapcache.cli import main
+from mmapcache.fill.workers import chunk_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = os.path.join(HERE, "helpers", "cli_sources.py")

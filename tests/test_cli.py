@@ -15,8 +15,8 @@ import pytest
 import mmapcache
 from helpers.sources import ImageLabels
 from mmapcache import MmapCachedDataset
-from mmapcache._create import make_scratch
 from mmapcache.cli import main
+from mmapcache.store.create import make_scratch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = os.path.join(HERE, "helpers", "cli_sources.py")
@@ -189,7 +189,7 @@ def test_verify_detects_damaged_state(cache_path: str, capsys: pytest.CaptureFix
 def test_gc_removes_leftovers_of_dead_processes(shm_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     make_cache(os.path.join(shm_dir, "kept"), n=4)  # first: creating a cache sweeps too
     # A creator that died mid-creation leaves its marked scratch directory; a live one's must stay.
-    dead = subprocess.run([sys.executable, "-c", f"from mmapcache._create import make_scratch; "
+    dead = subprocess.run([sys.executable, "-c", f"from mmapcache.store.create import make_scratch; "
                            f"print(make_scratch({shm_dir!r}, 'new'))"], capture_output=True, text=True, env=ENV,
                           timeout=60, check=True)
     leftover = dead.stdout.strip()

@@ -14,7 +14,8 @@ import pytest
 
 from helpers.sources import sample_equal
 from helpers.torchrun import two_nodes
-from mmapcache import MmapCachedDataset, _files
+from mmapcache import MmapCachedDataset
+from mmapcache.store import files as _files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -24,8 +24,11 @@ from torch.utils.data import DataLoader
 from helpers import fault_workers as fw
 from helpers.processes import join_all, kill_alive
 from helpers.sources import ImageLabels, image_of, sample_equal
-from mmapcache import CacheReadOnlyError, CacheReadOnlyWarning, LayoutError, MmapCachedDataset, _admin, _create, _store
-from mmapcache._layout import Layout
+from mmapcache import CacheReadOnlyError, CacheReadOnlyWarning, LayoutError, MmapCachedDataset
+from mmapcache.format.layout import Layout
+from mmapcache.store import admin as _admin
+from mmapcache.store import create as _create
+from mmapcache.store import store as _store
 
 FORK = multiprocessing.get_context("fork")
 

@@ -95,7 +95,7 @@ def test_creation_gc_and_delete_on_close_leave_neighbours_alone(shm_dir: str) ->
 
 
 def test_a_killed_creators_scratch_directory_is_still_swept(shm_dir: str) -> None:
-    code = (f"import os\nfrom mmapcache._create import make_scratch\nmake_scratch({shm_dir!r}, 'new')\n"
+    code = (f"import os\nfrom mmapcache.store.create import make_scratch\nmake_scratch({shm_dir!r}, 'new')\n"
             "os._exit(0)  # dies without cleaning up, as a SIGKILLed creator would")
     subprocess.run([sys.executable, "-c", code], env=ENV, timeout=60, check=True)
     assert any(n.startswith(".mmapcache-new-") for n in os.listdir(shm_dir))

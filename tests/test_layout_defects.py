@@ -20,9 +20,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from helpers.sources import sample_equal
 from mmapcache import CacheFormatError, LayoutError, MmapCachedDataset
-from mmapcache._layout import MAX_DEPTH, Layout, describe_structure, fold
-from mmapcache._reader import RowReader
-from mmapcache._store import Store
+from mmapcache.format.layout import MAX_DEPTH, Layout, describe_structure, fold
+from mmapcache.read.reader import RowReader
+from mmapcache.store.store import Store
 
 
 class Samples(Dataset):

@@ -19,7 +19,11 @@ from torch.utils.data import DataLoader
 
 from helpers.processes import join_all, running
 from helpers.sources import ImageLabels, sample_equal
-from mmapcache import CacheNotFoundError, MmapCachedDataset, _admin, _create, _files, _store
+from mmapcache import CacheNotFoundError, MmapCachedDataset
+from mmapcache.store import admin as _admin
+from mmapcache.store import create as _create
+from mmapcache.store import files as _files
+from mmapcache.store import store as _store
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 60.0

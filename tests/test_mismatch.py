@@ -156,7 +156,7 @@ def test_bare_name_and_paths(shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> N
     with MmapCachedDataset("./relative", ImageLabels(4)) as ds:
         assert ds.path == os.path.join(shm_dir, "relative")
     monkeypatch.delenv("MMAPCACHE_DIR")
-    from mmapcache._paths import resolve_path
+    from mmapcache.store.paths import resolve_path
 
     assert resolve_path("x") == "/dev/shm/mmapcache/x"  # the documented default, not created by this check
 

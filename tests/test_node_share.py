@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from helpers.sources import Counting, ImageLabels, sample_equal
 from helpers.torchrun import TESTS, results, two_nodes
 from mmapcache import CacheMismatchError, MmapCachedDataset, ShareSampler, describe
-from mmapcache._share import Share, node_of_process, share_of
+from mmapcache.store.share import Share, node_of_process, share_of
 
 N = 50
 

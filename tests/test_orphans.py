@@ -17,7 +17,7 @@ import pytest
 from helpers.processes import kill_alive
 from helpers.stream_sources import Fresh
 from mmapcache import MmapCachedDataset, remove
-from mmapcache._stream import producers_of
+from mmapcache.store.ring import producers_of
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}

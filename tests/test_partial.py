@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers.sources import Counting, ImageLabels, sample_equal
-from mmapcache import CacheMismatchError, InsufficientSpaceError, MmapCachedDataset, SampleNotCachedError, _create
+from mmapcache import CacheMismatchError, InsufficientSpaceError, MmapCachedDataset, SampleNotCachedError
+from mmapcache.store import create as _create
 
 N = 40
 SHAPE = (3, 16, 16)

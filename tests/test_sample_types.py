@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from helpers import tvlike
 from mmapcache import LayoutError, MmapCachedDataset, PadCollate, Padded, UncachedFieldWarning
-from mmapcache._layout import MAX_FIELDS
+from mmapcache.format.layout import MAX_FIELDS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -30,7 +30,7 @@ from mmapcache import (
     StreamTimeoutError,
     describe,
 )
-from mmapcache._stream import epoch_order
+from mmapcache.store.ring import epoch_order
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SPEC = os.path.join(TESTS, "helpers", "stream_sources.py")

@@ -27,7 +27,7 @@ from bench_workloads import IMAGES12K, workspace, write_fields
 from torch.utils.data import DataLoader
 
 from mmapcache import MmapCachedDataset
-from mmapcache._layout import Layout
+from mmapcache.format.layout import Layout
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TOOLS)

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from mmapcache import MmapCachedDataset
-from mmapcache._writer import RowWriter
+from mmapcache.store.writer import RowWriter
 
 
 class FieldSource(Dataset):

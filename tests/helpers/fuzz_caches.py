@@ -162,7 +162,7 @@ class _After:
 
 def _build_stream(path: str) -> None:
     from mmapcache import MmapCachedDataset
-    from mmapcache._producer import produce
+    from mmapcache.fill.producer import produce
 
     with MmapCachedDataset(path, Tokens(24), **KINDS["stream"].options) as ds:
         slots = ds._store.slots

@@ -44,8 +44,8 @@ from mmapcache import (
     SampleNotCachedError,
     StreamBypassWarning,
     UncachedFieldWarning,
-    _heap,
 )
+from mmapcache.store import heap as _heap
 
 # Bounds on what a damaged cache can make this process do: files past 1.5 GiB fail with EFBIG instead of
 # filling tmpfs (a sparse write at 2**30 still shows), and the address space is capped so a huge allocation
@@ -181,7 +181,7 @@ class Case:
 
     def stream_batches(self, ds: MmapCachedDataset, when: str, allowed: tuple[type[BaseException], ...]) -> None:
         """A stream's loader: each batch must be the positions the rank's cursor says it was handed."""
-        from mmapcache._stream import epoch_order
+        from mmapcache.store.ring import epoch_order
 
         def read() -> list[tuple[Any, tuple[int, int] | None]]:
             out = []
@@ -211,7 +211,7 @@ class Case:
         self.set_epoch(ds, 0)
         if self.kind.stream:
             from helpers.fuzz_caches import _After
-            from mmapcache._producer import produce
+            from mmapcache.fill.producer import produce
 
             self.call(lambda: produce(self.path, self.kind.source, _After(4)), allowed)
 

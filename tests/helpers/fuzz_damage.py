@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mmapcache import _heap
+from mmapcache.store import heap as _heap
 
 # Values written into int64 words: boundaries, sign and width edges. Context-relative ones are added per file.
 INT64_EDGES = (0, 1, -1, -8, 2**31 - 1, 2**31, 2**32, 2**30, 2**40, 2**62, 2**63 - 1, -(2**63), -(2**31))
@@ -127,7 +127,7 @@ class Context:
         share = self.meta["share"]
         if not share or share["rotate_every"] is None:
             return []
-        from mmapcache._share import Share
+        from mmapcache.store.share import Share
 
         shares = [Share.from_json(share).indices(self.meta["length"], g) for g in range(4)]
         slot = row // self.meta["variants"]

@@ -1,0 +1,245 @@
+"""A cache's misses: computing the samples it lacks from the source, checking them, and storing them, one at a
+time or a batch's at once (one stack per field, one acquisition of the writer lock)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import CacheReadOnlyWarning, SampleNotCachedError, warn
+from ..format.check import FILLED, SHARED, UNWALKED, arrays_of, overlaps
+from ..format.fields import Field
+from ..read.reader import RowReader
+from ..store.rows import RowMap
+from ..store.state import NoRoom
+from ..store.store import Store
+from ..store.writer import RowWriter
+
+# A batch's computed misses: (position in the batch, source index, checked values or None when the values are
+# only in the batch's columns; see Misses.fill).
+Computed = list[tuple[int, int, "list[Any] | None"]]
+
+
+def fetcher(source: Any, path: str) -> Callable[[int], Any]:
+    """``source[index]``, its exceptions annotated with the index and the cache."""
+    def fetch(index: int) -> Any:
+        try:
+            return source[index]
+        except Exception as exc:
+            exc.add_note(f"mmapcache: raised by the source dataset computing sample {index} for the cache at {path}")
+            raise
+    return fetch
+
+
+def checker(check_finite: bool) -> Callable[[RowReader, Any, int], list[Any]]:
+    """``(reader, sample, index) -> values``: the layout's check, and with ``check_finite`` a refusal of NaN and
+    infinities naming the sample and field."""
+    def checked(reader: RowReader, sample: Any, index: int) -> list[Any]:
+        values = reader.check(sample, index)
+        if check_finite:
+            for field, value in zip(reader.fields, values):
+                if not _finite(field, value):
+                    raise ValueError(f"sample {index}, field {field.name!r}: contains NaN or infinite values "
+                                     "(check_finite=True); nothing was stored for it")
+        return values
+    return checked
+
+
+class Misses:
+    """The miss path of one open cache in one process.
+
+    Args:
+        source: the source dataset, or None (then a miss is a ``SampleNotCachedError`` naming the fix).
+        store, rows, reader: the open cache, its row map and its reader.
+        check_finite: refuse samples with NaN or infinite floating-point values.
+    """
+
+    def __init__(self, source: Any, store: Store, rows: RowMap, reader: RowReader, check_finite: bool) -> None:
+        self.source, self.store, self.rows, self.reader = source, store, rows, reader
+        self.writer = RowWriter(store)
+        self.path = store.path
+        self.check_finite = check_finite
+        self.fetch = fetcher(source, self.path)
+        self.checked = checker(check_finite)
+        # Whether a batch's misses are computed first and checked together (RowReader.fill_batch); off for good
+        # once the source is seen to refill one buffer for every sample.
+        self.batched = reader.fill_batch is not None and source is not None
+
+    def require_source(self, index: int, row: int) -> None:
+        if self.source is not None:
+            return
+        path = self.path
+        if row < 0:
+            raise SampleNotCachedError(
+                f"sample {index} is not cacheable in the cache at {path} (max_bytes/cache_indices chose "
+                f"{self.rows.slots} of {self.store.length} samples), and it was opened without a source dataset; "
+                "open it with MmapCachedDataset(path, dataset) to compute such samples"
+            )
+        raise SampleNotCachedError(
+            f"sample {index} is not in the cache at {path} (opened without a source dataset); fill it with "
+            f"MmapCachedDataset(path, dataset) or `mmapcache build {path} --dataset SPEC`"
+        )
+
+    # --- one sample --------------------------------------------------------------------------------------------
+
+    def one(self, index: int, row: int) -> Any:
+        """Computes sample ``index`` and stores it in ``row`` if it is cacheable (>= 0). A stored miss is returned as
+        a hit would return it (a plain Tensor, an int...), not as the source's own objects."""
+        self.require_source(index, row)
+        sample = self.fetch(index)
+        if row < 0:
+            return sample  # passes through, never stored
+        return self.reader.sample_from_values(self.publish(index, row, sample))
+
+    def publish(self, index: int, row: int, sample: Any) -> list[Any]:
+        """Checks ``sample`` and stores it in ``row`` (not when read-only, or without heap room); its values."""
+        reader = self.reader
+        values = self.checked(reader, sample, index)
+        if not self.store.writable:
+            _warn_read_only(self.path)
+            return values
+        with contextlib.suppress(NoRoom):  # no heap room: served uncached (counted, and warned once)
+            self.store.state.publish(row, index, functools.partial(self.writer.write, row, values))
+        return values
+
+    # --- a batch's misses --------------------------------------------------------------------------------------
+
+    def fill(self, idx: np.ndarray, rows: np.ndarray, columns: list[Any], missing: list[int]) -> None:
+        """Fills batch positions ``missing`` of the gathered ``columns`` (of source indices ``idx``, cache rows
+        ``rows``): rows filled since the gather are read again, the others computed, checked and stored under one
+        acquisition of the writer lock. Samples computed before one that fails are kept."""
+        reader, keyed, fixed = self.reader, self.rows.keyed, self.reader.fixed
+        computed: Computed = []
+        try:
+            if self.batched and len(missing) > 1:
+                missing = self._compute_together(idx, rows, columns, missing, computed)
+            # The rest one at a time (usually none left, or a handful).
+            indices, row_list = idx[missing].tolist(), rows[missing].tolist()
+            filled = reader.state.filled
+            for k, index, row in zip(missing, indices, row_list):
+                # A row that was filled but rewritten during the gather: read it again.
+                values = reader.read_values(row, index if keyed else -1) if row >= 0 and filled[row >> 3] >> (
+                    row & 7) & 1 else None
+                if values is None:
+                    self.require_source(index, row)
+                    values = self.checked(reader, self.fetch(index), index)
+                    if not fixed:  # kept until the batch is published: not a view of a buffer the source refills
+                        values = [v.copy() if type(v) is np.ndarray else v for v in values]
+                    if row >= 0:
+                        computed.append((k, index, values))
+                for column, value in zip(columns, values):
+                    column[k] = value
+        finally:
+            if computed:
+                self._publish_rows(rows, columns, computed)
+
+    def _compute_together(self, idx: np.ndarray, rows: np.ndarray, columns: list[Any], missing: list[int],
+                          computed: Computed) -> list[int]:
+        """Computes the misses whose rows are still empty, checks them together and writes them into the batch
+        ``columns`` (``RowReader.fill_batch``: one stack per field), adding the cacheable ones to ``computed``.
+        When the batch check declines a sample, every computed sample is checked (or refused) one by one instead.
+        Returns the positions left to the per-sample path: rows filled since the gather, to be read again."""
+        reader = self.reader
+        fill = reader.fill_batch
+        assert fill is not None  # the caller's condition
+        positions = np.array(missing, np.int64)
+        targets = rows[positions]
+        cacheable = targets >= 0
+        refilled = cacheable & reader.state.filled_rows(np.where(cacheable, targets, 0))
+        todo = positions[~refilled]
+        if not len(todo):
+            return missing
+        samples: list[Any] = []
+        try:
+            for index in idx[todo].tolist():
+                samples.append(self.fetch(index))  # noqa: PERF401 - on a failure, the ones before it count
+        except BaseException:
+            self._check_each(idx, rows, columns, todo[:len(samples)].tolist(), samples, computed)
+            raise
+        whole = len(todo) == len(idx)
+        outcome = fill(samples, columns, None if whole else todo)
+        if outcome == UNWALKED and overlaps([arrays_of(sample) for sample in samples]):
+            outcome = SHARED
+        if outcome == SHARED:
+            # The source refills one buffer (whole, or at shifting offsets): the samples fetched before the last may
+            # be gone. From now on, each sample is copied out before the next is computed (the per-sample path),
+            # starting with these again.
+            self.batched = False
+            return missing
+        finite = not self.check_finite or _all_finite(reader.fields, columns, None if whole else todo)
+        if outcome == FILLED and finite:
+            keep = todo[cacheable[~refilled]]
+            computed.extend((k, index, None) for k, index in zip(keep.tolist(), idx[keep].tolist()))
+        else:
+            self._check_each(idx, rows, columns, todo.tolist(), samples, computed)
+        return positions[refilled].tolist()
+
+    def _check_each(self, idx: np.ndarray, rows: np.ndarray, columns: list[Any], todo: list[int],
+                    samples: list[Any], computed: Computed) -> None:
+        """Checks computed samples one by one (refusing a bad one with its index), writing each into the columns."""
+        for k, sample in zip(todo, samples):
+            index = int(idx[k])
+            values = self.checked(self.reader, sample, index)
+            if rows[k] >= 0:
+                computed.append((k, index, values))
+            for column, value in zip(columns, values):
+                column[k] = value
+
+    def _publish_rows(self, rows: np.ndarray, columns: list[Any], computed: Computed) -> None:
+        """Stores a batch's computed misses; the batch ``columns`` already hold the values (fixed layouts store
+        from them, each step vectorised; their values may be None, the columns filled by ``fill_batch``)."""
+        if not self.store.writable:
+            _warn_read_only(self.path)
+            return
+        reader, state = self.reader, self.store.state
+        if reader.fixed:
+            positions = np.array([k for k, _, _ in computed], np.int64)
+            targets = rows[positions]
+            _, first = np.unique(targets, return_index=True)  # an index asked twice in a batch: stored once
+            positions = positions[np.sort(first)]
+            keys = np.array([index for _, index, _ in computed], np.int64)[np.sort(first)]
+            state.publish_rows(rows[positions], keys, lambda todo: self.writer.write_rows(rows, columns,
+                                                                                             positions[todo]))
+            return
+        writes: list[tuple[int, int, Callable[[bool], None]]] = []
+        for k, index, values in computed:
+            assert values is not None  # only fixed layouts leave the values in the columns alone
+            writes.append((int(rows[k]), index, functools.partial(self.writer.write, int(rows[k]), values)))
+        state.publish_many(writes)
+
+
+def _finite(field: Field, value: Any) -> bool:
+    """Whether a field's value (as checked for storing) holds no NaN or infinity. Floating-point types numpy lacks
+    (bfloat16, float8, complex32) are stored as unsigned ints: they are tested as what they are."""
+    array = np.asarray(value)
+    if field.torch_dtype and array.dtype.kind == "u" and field.torch_dtype.startswith(("bfloat", "float", "complex")):
+        import torch
+
+        real = torch.from_numpy(np.ascontiguousarray(array)).view(getattr(torch, field.torch_dtype))
+        try:
+            return bool(torch.isfinite(real).all())
+        except (RuntimeError, TypeError):  # a type without isfinite in this torch: through float32
+            return bool(torch.isfinite(real.to(torch.complex64 if real.is_complex() else torch.float32)).all())
+    return array.dtype.kind not in "fc" or bool(np.isfinite(array).all())
+
+
+def _all_finite(fields: Sequence[Field], columns: list[np.ndarray], positions: np.ndarray | None) -> bool:
+    """Whether the batch's columns hold no NaN or infinity at ``positions`` (None: anywhere)."""
+    return all(_finite(field, column if positions is None else column[positions])
+               for field, column in zip(fields, columns))
+
+
+_warned_read_only: set[str] = set()
+
+
+def _warn_read_only(path: str) -> None:
+    if path not in _warned_read_only:
+        _warned_read_only.add(path)
+        warn(
+            f"the cache at {path} is read-only for this process (file permissions or a read-only mount): missing "
+            "samples are computed from the source but not stored", CacheReadOnlyWarning,
+        )

@@ -1,0 +1,426 @@
+"""Opening a cache, or creating it: the one protocol behind ``MmapCachedDataset`` and ``build``.
+
+An opener with a source either finds a cache at the path and checks that it was made from the same source, or
+creates one. The checks, cheapest first:
+
+1. recorded facts: length, fingerprint, variants, the cacheable indices (``max_bytes``/``cache_indices``) and the
+   declared ``max_shapes``;
+2. stored samples, when the opener gives no fingerprint: the source computes again the cache's first sample and
+   up to ``_COMPARED`` other stored ones, chosen at random on every open, and their layout and bytes must equal
+   the stored copies (a changed source without a fingerprint would otherwise be served stale). A fingerprint that
+   matches is trusted instead, so a warm rerun with a fingerprint calls the source 0 times. Sources declared
+   non-deterministic, when the cache was created (recorded in ``meta.json``) or by this opener, and caches of
+   several variants (a random source by design), are checked for layout only; a fingerprinted cache then needs
+   the fingerprint.
+
+Creation happens under the parent directory's lock (``_create.parent_lock``): the first opener computes the
+first sample there, stores it in the cache under its temporary name, and renames the cache into place; openers
+racing it wait for the lock and then find the cache, so only one process computes that sample.
+
+A process that reopens a cache it used before (a DataLoader worker, a reopen after ``close``) passes the
+``identity`` it saw; a cache replaced meanwhile by one of another source is then refused, never served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._version import __version__
+from ..errors import CacheMismatchError, CacheNotFoundError, InsufficientSpaceError, LayoutError
+from ..format.check import arrays_of, overlaps
+from ..format.codec import differing_field
+from ..format.layout import PYLIST, Layout, flatten
+from ..read.reader import RowReader
+from ..store import admin as _admin
+from ..store import create as _create
+from ..store.create import plan_bytes
+from ..store.ring import Ring, epoch_order
+from ..store.rows import RowMap
+from ..store.share import Share
+from ..store.state import NoRoom
+from ..store.store import Store
+from ..store.writer import RowWriter
+from .options import CreateOptions
+
+__all__ = ["Source", "Request", "open_cache", "identity"]
+
+_ATTEMPTS = 3  # a delete_on_close cache removed by its last user while we open it: create it anew, a few times
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What opening needs of a source dataset.
+
+    Attributes:
+        length: ``len(source)``.
+        fetch: computes sample ``i`` (the source's exceptions propagate, annotated with the index).
+        check: ``(reader, sample, index) -> values`` flattens and checks a sample for storing; default
+            ``reader.check`` (the dataset adds its ``check_finite``).
+        deterministic: whether the source returns the same bytes for the same index every time (see above).
+    """
+
+    length: int
+    fetch: Callable[[int], Any]
+    check: Callable[[RowReader, Any, int], list[Any]] | None = None
+    deterministic: bool = True
+
+    def values(self, reader: RowReader, sample: Any, index: int) -> list[Any]:
+        return self.check(reader, sample, index) if self.check is not None else reader.check(sample, index)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the opener asks for (see ``MmapCachedDataset`` for each option)."""
+
+    path: str
+    fingerprint: str | None = None
+    options: CreateOptions = dataclasses.field(default_factory=lambda: CreateOptions(None, None, None, None, None))
+    overwrite: bool = False
+    delete_on_close: bool = False
+    variant_choice: str = "epoch"
+    seed: int = 0
+
+
+def identity(store: Store) -> dict[str, Any]:
+    """What makes two caches interchangeable for a reader: the source's facts and the sample layout (not the
+    creation time: a cache removed and built again from the same source serves the same samples)."""
+    meta = store.meta
+    ident = {key: meta[key] for key in ("length", "slots", "variants", "fingerprint", "structure")}
+    files = ("file", "shape_file", "heap", "index_file")
+    ident["fields"] = [{k: v for k, v in f.items() if k not in files} for f in meta["fields"]]
+    ident["slot_index"] = None if store.slot_index is None else \
+        hashlib.sha256(np.ascontiguousarray(store.slot_index).tobytes()).hexdigest()
+    return ident
+
+
+def open_cache(request: Request, source: Source | None, *,
+               expected: dict[str, Any] | None = None) -> tuple[Store, bool]:
+    """Opens (or, with a source, creates) the cache ``request.path``; returns it registered as used, and whether
+    this call created it (and stored its first sample).
+
+    Args:
+        request: the path and the options.
+        source: the source dataset, or None to open an existing cache read-only for misses.
+        expected: the ``identity`` this process saw before (a reopen); a cache that differs raises
+            ``CacheMismatchError``. An existing cache is then compared with it alone: the source was checked
+            when the cache was first opened, so a reopening worker never computes a sample to check it.
+
+    Raises:
+        CacheNotFoundError: no cache and no source.
+        CacheMismatchError: the cache was made from another source (and ``overwrite`` is off), or differs
+            from ``expected``.
+        LayoutError: the source's first sample cannot be stored.
+    """
+    for attempt in range(_ATTEMPTS):
+        try:
+            store, created = _open_or_create(request, None if expected is not None and os.path.exists(request.path)
+                                             else source)
+            try:
+                if expected is not None and identity(store) != expected:
+                    raise CacheMismatchError(_replaced_message(request.path, expected, identity(store)))
+                store.attach()
+            except BaseException:
+                store.close()
+                raise
+            return store, created
+        except CacheNotFoundError:
+            if source is None or attempt == _ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _open_or_create(request: Request, source: Source | None) -> tuple[Store, bool]:
+    path = request.path
+    if source is None or os.path.exists(path):
+        store = Store(path)
+        if source is None:
+            return store, False
+        problem = _mismatch(store, request, source)
+        if problem is None:
+            return store, False
+        store.close()
+        if not request.overwrite:
+            raise CacheMismatchError(_mismatch_message(path, problem))
+    with _create.parent_lock(path):
+        _admin.sweep(os.path.dirname(path))
+        if os.path.exists(path):  # another process created it meanwhile (or it is the mismatched one)
+            store = Store(path)
+            problem = _mismatch(store, request, source)
+            if problem is None:
+                store.attach()  # under the lock: a sweep by another creator must see it used
+                return store, False
+            store.close()
+            if not request.overwrite:
+                raise CacheMismatchError(_mismatch_message(path, problem, just_created=True))
+            _admin.delete(path)
+        _create_locked(request, source)
+        store = Store(path)
+        store.attach()
+    return store, True
+
+
+def first_index(options: CreateOptions, length: int, seed: int = 0) -> int:
+    """The first cacheable index of a new cache (the sample its creator computes and stores): for a stream, the
+    first position of epoch 0's order."""
+    if options.stream:
+        return int(epoch_order(seed, 0, length)[0])
+    if options.share is not None:
+        return int(options.share.indices(length)[0])
+    return int(options.cache_indices[0]) if options.cache_indices is not None else 0
+
+
+# With ragged="auto", the samples a creator computes to learn which fields are ragged (their shapes differ), and
+# with max_bytes to estimate the ragged values' size: the first and this many more, spread over the cacheable
+# indices. They are stored, so none is computed twice.
+_PROBES = 8
+
+
+def _create_locked(request: Request, source: Source) -> None:
+    """Computes the first sample (and a few probes), learns the layout from them, and creates the cache with
+    them stored in it. Caller holds the lock."""
+    options = request.options
+    index = first_index(options, source.length, request.seed)
+    sample = source.fetch(index)
+    try:
+        layout = Layout.from_samples([sample], options.max_shapes, options.declared_ragged)
+    except LayoutError as exc:
+        raise LayoutError(f"sample {index}: {exc}") from None
+    samples = [(index, sample)]
+    auto = options.ragged == "auto" and (any(f.shape and not f.ragged and not f.variable for f in layout.fields)
+                                         or _has_empty_list(sample))
+    # With max_bytes, ragged values' sizes decide how many samples fit: estimate them from more than one sample.
+    if auto or (options.max_bytes is not None and layout.ragged and not options.stream):
+        slots, slot_index, _ = options.plan(layout, source.length)
+        if options.stream:  # the next positions of epoch 0's order: stored in the ring as they will be read
+            probes = epoch_order(request.seed, 0, source.length)[1:min(_PROBES, slots - 1) + 1]
+        else:  # spread over the cacheable indices
+            cacheable = np.arange(slots) if slot_index is None else slot_index
+            probes = cacheable[np.linspace(0, len(cacheable) - 1, _PROBES).astype(np.int64)]
+        for i in dict.fromkeys(probes.tolist()):
+            if i != index:
+                # A probe the source fails on is left out: it fails again, with its index, when it is read.
+                with contextlib.suppress(Exception):
+                    samples.append((int(i), source.fetch(int(i))))
+    # A source that refills one buffer for every sample (whole, or at shifting offsets) has overwritten the earlier
+    # samples' values by now (their shapes, all the layout needs, are intact): each is computed again when stored.
+    refills = len(samples) > 1 and overlaps([arrays_of(s) for _, s in samples])
+    if auto:
+        try:
+            layout = Layout.from_samples([s for _, s in samples], options.max_shapes, options.declared_ragged)
+        except LayoutError as exc:
+            raise LayoutError(f"sample {index}: {exc}") from None
+    ragged_bytes = _ragged_bytes(layout, [s for _, s in samples])
+    slots, slot_index, variants = options.plan(layout, source.length, ragged_bytes=ragged_bytes)
+    heap_budget = None
+    if options.max_bytes is not None and layout.ragged:
+        fixed = plan_bytes(layout, slots * variants, slots if slot_index is not None else 0)
+        heap_budget = max(0, options.max_bytes - fixed)
+
+    def store_first(directory: str) -> None:
+        # In the cache still under its temporary name, so no opener ever finds these samples missing.
+        store = Store(directory, writable=True)
+        try:
+            reader, writer = RowReader(store, recompute_stale=True), RowWriter(store)
+            if options.stream:  # the first sample and the probes are epoch 0's positions 0, 1, ...: the ring's
+                ring = Ring(store)
+                try:
+                    values = source.values(reader, source.fetch(index) if refills else sample, index)
+                    ring.publish_created(0, functools.partial(writer.write, 0, values))
+                    order = epoch_order(request.seed, 0, source.length)
+                    position = {int(i): q for q, i in enumerate(order[:slots].tolist())}
+                    for i, probe in samples[1:]:
+                        q = position.get(i, -1)  # a probe is the value of its position in epoch 0's order
+                        if q < 1:
+                            continue
+                        with contextlib.suppress(Exception):  # not stored: computed again when read
+                            values = source.values(reader, source.fetch(i) if refills else probe, i)
+                            ring.publish_created(q, functools.partial(writer.write, q, values))
+                except NoRoom:
+                    ragged = [f.name for f in layout.ragged]
+                    if heap_budget is None:
+                        raise InsufficientSpaceError(
+                            f"the file system of {request.path} has no room for the stream's first sample "
+                            f"({ragged_bytes} bytes in its ragged fields {ragged}); free space") from None
+                    raise ValueError(
+                        f"max_bytes={options.max_bytes} leaves {heap_budget} bytes for the ragged fields {ragged}, "
+                        f"too few for the stream's first sample ({ragged_bytes} bytes in them); raise max_bytes"
+                    ) from None
+                finally:
+                    ring.close()
+                return
+            rows = RowMap.of(store, variant_choice=request.variant_choice, seed=request.seed)
+            for number, (i, probe) in enumerate(samples):
+                row = rows.row(i, 0)
+                if row < 0:
+                    continue
+                try:
+                    values = source.values(reader, source.fetch(i) if refills else probe, i)
+                except Exception:
+                    if number == 0:
+                        raise
+                    continue  # a probe that cannot be stored fails the same way when it is read
+                with contextlib.suppress(NoRoom):  # a probe without heap room (max_bytes): computed again later
+                    store.state.publish(row, i, functools.partial(writer.write, row, values))
+        finally:
+            store.close()
+
+    _create.create(
+        request.path, layout, length=source.length, slots=slots, variants=variants, slot_index=slot_index,
+        fingerprint=request.fingerprint, delete_on_close=request.delete_on_close, library_version=__version__,
+        prepare=store_first, heap_budget=heap_budget, ragged_bytes=ragged_bytes,
+        share=None if options.share is None else options.share.to_json(),
+        stream={"seed": request.seed} if options.stream else None, deterministic=source.deterministic,
+    )
+
+
+def _has_empty_list(sample: Any) -> bool:
+    """Whether a list of numbers in ``sample`` is empty (its element type is then learnt from the probes)."""
+    return any(leaf.field.kind == PYLIST and leaf.value.size == 0 for leaf in flatten(sample)[1])
+
+
+def _ragged_bytes(layout: Layout, samples: list[Any]) -> int:
+    """The mean bytes per sample of the ragged fields' values among ``samples`` (an estimate for planning)."""
+    numbers = [n for n, f in enumerate(layout.fields) if f.ragged]
+    if not numbers:
+        return 0
+    sizes = []
+    for sample in samples:
+        try:
+            leaves = flatten(sample)[1]
+            sizes.append(sum(leaves[n].value.nbytes for n in numbers if n < len(leaves)))
+        except LayoutError:
+            continue
+    return int(np.mean(sizes)) if sizes else 0
+
+
+# --- is it the same source? -------------------------------------------------------------------------------------
+
+
+def _mismatch(store: Store, request: Request, source: Source) -> str | None:
+    """Why the cache at ``store`` cannot serve ``source``, or None."""
+    meta, options = store.meta, request.options
+    if meta["length"] != source.length:
+        return f"length {meta['length']} in the cache, {source.length} in the dataset"
+    if (meta["mode"] == "stream") != options.stream:
+        return (f"a {meta['mode']} in the cache, a {'stream' if options.stream else 'cache'} asked for "
+                f"(stream={options.stream})")
+    if options.stream and meta["stream"]["seed"] != request.seed:
+        return f"a stream of seed {meta['stream']['seed']} in the cache, seed={request.seed} given"
+    if request.fingerprint is not None and meta["fingerprint"] != request.fingerprint:
+        return f"fingerprint {meta['fingerprint']!r} in the cache, {request.fingerprint!r} given"
+    if options.variants is not None and options.variants != meta["variants"]:
+        return f"variants={meta['variants']} in the cache, variants={options.variants} given"
+    if options.share is not None:
+        if meta["share"] != options.share.to_json():
+            recorded = "no node share (a full copy)" if meta["share"] is None else \
+                f"the share {Share.from_json(meta['share']).describe(meta['length'])}"
+            return (f"{recorded} in the cache, the share {options.share.describe(source.length)} asked for (another "
+                    "node count, node rank, seed or rotation); each node's cache must be made for its own node: "
+                    "use a node-local MMAPCACHE_DIR, or remove this cache to make it anew")
+    elif meta["share"] is not None and options.cache_indices is not None:
+        return "a node share in the cache, cache_indices given"
+    if meta["share"] is None and (options.max_bytes is not None or options.cache_indices is not None):
+        # Compare what the options decide (which indices are cacheable), not the numbers: any max_bytes at least
+        # as large as the cache matches a cache that holds every sample.
+        slots, index, _ = options.plan(store.layout, source.length, meta["variants"])
+        wanted = np.arange(slots) if index is None else index
+        have = np.arange(store.slots) if store.slot_index is None else store.slot_index
+        if not np.array_equal(wanted, have):
+            given = ", ".join(f"{name}={value}" for name, value in (
+                ("max_bytes", options.max_bytes),
+                ("cache_indices", None if options.cache_indices is None else f"<{len(options.cache_indices)} indices>"),
+            ) if value is not None)
+            which = "a chosen subset" if store.slot_index is not None else "the first ones"
+            return (f"{store.slots} cacheable samples ({which}) in the cache, {slots} "
+                    f"({'a chosen subset' if index is not None else 'the first ones'}) with {given}; open it without "
+                    "max_bytes/cache_indices to use the recorded ones")
+    if options.ragged is not None and options.ragged != "auto":
+        stored_fixed = sorted(set(options.ragged) - {f.name for f in store.layout.ragged})
+        if stored_fixed:
+            return (f"field(s) {stored_fixed} are stored with a fixed shape in the cache, "
+                    f"ragged={list(options.ragged)} given")
+    if options.max_shapes is not None:
+        have_shapes = {f.name: f.shape for f in store.layout.fields if f.variable}
+        if have_shapes != options.max_shapes:
+            return f"max_shapes {have_shapes or None} in the cache, {options.max_shapes} given"
+    if request.fingerprint is not None:
+        return None  # a matching fingerprint identifies the source: no need to compute a sample
+    return _sample_mismatch(store, request, source)
+
+
+# Without a fingerprint, an opener computes again the cache's first sample and this many more stored ones, chosen
+# afresh at random on every open (a source changed on only some samples is caught by some opener, not by all).
+_COMPARED = 3
+
+
+def _sample_mismatch(store: Store, request: Request, source: Source) -> str | None:
+    """Why ``source`` is not the source of ``store``'s samples, comparing recomputed samples with stored ones (see
+    the module docstring), or None."""
+    rows = RowMap.of(store, variant_choice=request.variant_choice, seed=request.seed)
+    first = int(rows.cacheable()[0]) if rows.slots else 0
+    reader = RowReader(store, recompute_stale=True)
+    try:
+        fresh = source.values(reader, source.fetch(first), first)
+    except LayoutError as exc:
+        return f"the sample layout differs ({exc})"
+    recorded = store.meta["deterministic"]
+    if not (source.deterministic and recorded and store.variants == 1 and store.meta["mode"] == "cache"):
+        if meta_fingerprint := store.meta["fingerprint"]:
+            why = "declared non-deterministic" if not (source.deterministic and recorded) else \
+                "several variants" if store.variants > 1 else "a stream keeps no sample for good"
+            return (f"fingerprint {meta_fingerprint!r} in the cache, none given, and the source cannot be compared "
+                    f"sample by sample ({why}); pass fingerprint={meta_fingerprint!r}")
+        return None
+    compared = [(first, rows.row(first, 0))] if rows.slots else []
+    for index, row in compared + _stored_rows(store, rows, first):
+        if index != first:
+            fresh = source.values(reader, source.fetch(index), index)
+        # A row being rewritten, or holding another generation's sample (a rotating share): nothing to compare.
+        stored = reader.read_values(row, index if rows.keyed else -1) if row >= 0 else None
+        if stored is None:
+            continue
+        field = differing_field(store.layout, stored, fresh)
+        if field is not None:
+            return (f"sample {index} computed now differs from the stored copy in field {field!r} (a changed source, "
+                    "or one that is not deterministic); give the source a fingerprint= that changes with it, or "
+                    "declare a random source with deterministic=False")
+    return None
+
+
+def _stored_rows(store: Store, rows: RowMap, first: int) -> list[tuple[int, int]]:
+    """Up to ``_COMPARED`` ``(source index, row)`` of stored samples other than ``first``, chosen at random."""
+    state = store.state
+    complete = np.flatnonzero(state.filled_mask() & ~state.stale_mask())
+    # A rotating share's row holds the sample its key names, of whichever generation filled it.
+    indices = state.keys_np[complete] if rows.keyed else rows.index_and_variant(complete)[0]
+    keep = (indices != first) & (indices >= 0) & (indices < store.length)
+    complete, indices = complete[keep], indices[keep]
+    if len(complete) > _COMPARED:
+        chosen = np.random.default_rng().choice(len(complete), _COMPARED, replace=False)
+        complete, indices = complete[chosen], indices[chosen]
+    return list(zip(indices.tolist(), complete.tolist()))
+
+
+def _mismatch_message(path: str, problem: str, just_created: bool = False) -> str:
+    when = ", just created by another process," if just_created else ""
+    return (f"the cache at {path}{when} was made from a different source: {problem}. Pass overwrite=True to replace "
+            f"it, remove it (`mmapcache rm {path}`), or use another path")
+
+
+def _replaced_message(path: str, expected: dict[str, Any], found: dict[str, Any]) -> str:
+    key = next(k for k in expected if expected[k] != found.get(k))
+    if key in ("length", "slots", "variants", "fingerprint"):
+        detail = f"{key} {expected[key]!r} before, {found.get(key)!r} now"
+    else:
+        detail = f"its {key} differ"
+    return (f"the cache at {path} was replaced by one of another source since this dataset opened it ({detail}); "
+            "this process refuses to serve it. Open the dataset again (with overwrite=True to replace it back), or "
+            "use separate paths for separate sources")

@@ -1,0 +1,155 @@
+"""The work of a build, in its worker processes: claiming chunks of rows and filling them from the source.
+
+Work is split into *chunks* of ``chunk_rows(rows)`` consecutive rows. A worker claims a chunk (a POSIX byte-range
+lock on byte ``chunk`` of the cache's ``lock`` file, dropped by the kernel if the worker dies), fills the chunk's
+rows that are unfilled or stale, and releases it. A *task* is a chunk, or one row of a chunk (how ``_build``
+finds a sample that kills its worker: see ``_build._Driver._isolate``).
+
+The workers are PyTorch DataLoader workers iterating a ``Filler``, a small dataset whose items are tasks: each
+builds its own copy of the source from a ``DatasetSpec`` and writes straight into the shared cache, returning only
+counts and failures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import CacheFormatError, CacheNotFoundError
+from ..read.reader import RowReader
+from ..store.rows import RowMap
+from ..store.state import ChunkClaims, NoRoom
+from ..store.store import Store
+from ..store.writer import RowWriter
+from .specs import DatasetSpec
+
+__all__ = ["Plan", "Filler", "chunk_rows", "chunk_targets", "Task"]
+
+_CLAIM_POLL = 0.05  # seconds between attempts on a chunk another build holds
+
+Task = tuple[int, int]  # (chunk, row): row -1 means every row of the chunk
+
+
+def chunk_rows(rows: int) -> int:
+    """Rows per chunk (the unit of claims and of work handed to a worker). A function of the cache alone, so
+    every build of one cache agrees on what chunk ``c`` is."""
+    return max(1, min(64, rows // 256))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What every worker needs to know (picklable)."""
+
+    path: str
+    source: DatasetSpec
+    chunk: int
+    start: int
+    stop: int | None
+    fail_fast: bool
+
+
+def chunk_targets(rows: RowMap, plan: Plan, chunk: int) -> np.ndarray:
+    """The rows of ``chunk`` whose source index is in the plan's range."""
+    targets = np.arange(chunk * plan.chunk, min((chunk + 1) * plan.chunk, rows.rows), dtype=np.int64)
+    return targets[in_range(rows, plan, targets)]
+
+
+def in_range(rows: RowMap, plan: Plan, targets: np.ndarray) -> np.ndarray:
+    """Which of the rows ``targets`` hold a source index in ``[plan.start, plan.stop)``."""
+    index, _ = rows.index_and_variant(targets)
+    keep = index >= plan.start
+    if plan.stop is not None:
+        keep &= index < plan.stop
+    return keep
+
+
+class _Worker:
+    """A worker process's open cache, source and claims (made on its first task, kept for its lifetime: closing
+    any descriptor of the lock file would drop this process's claims)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.store = Store(plan.path)
+        self.rows = RowMap.of(self.store)
+        self.reader = RowReader(self.store, recompute_stale=True)
+        self.writer = RowWriter(self.store)
+        self.claims = ChunkClaims(plan.path)
+        self.dataset = plan.source()
+        self.set_epoch = getattr(self.dataset, "set_epoch", None) if self.store.variants > 1 else None
+
+
+class Filler:
+    """A map-style dataset whose item ``t`` performs task ``tasks[t]`` and returns counts (DataLoader protocol).
+
+    A result is ``{"chunk", "busy", "filled", "skipped", "failed": [(index, variant, error)], "removed",
+    "no_room": [row]}`` (rows not stored for lack of heap room):
+    ``busy`` when the chunk was claimed by another build (and ``wait`` is off), ``removed`` (a message) when the
+    cache was removed or replaced under the build, which then stops.
+    """
+
+    def __init__(self, plan: Plan, tasks: list[Task], wait: bool) -> None:
+        self.plan = plan
+        self.tasks = list(tasks)
+        self.wait = wait
+        self._worker: _Worker | None = None
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __getitem__(self, task: int) -> dict[str, Any]:
+        if self._pid != os.getpid():
+            self._worker, self._pid = _Worker(self.plan), os.getpid()
+        worker = self._worker
+        assert worker is not None  # made just above
+        chunk, row = self.tasks[task]
+        result: dict[str, Any] = {"chunk": chunk, "busy": False, "filled": 0, "skipped": 0, "failed": [],
+                                  "removed": None, "no_room": []}
+        while not worker.claims.try_claim(chunk):
+            if not self.wait:
+                result["busy"] = True
+                return result
+            time.sleep(_CLAIM_POLL)
+        try:
+            self._fill(worker, chunk, row, result)
+        finally:
+            worker.claims.release(chunk)
+        return result
+
+    def _fill(self, worker: _Worker, chunk: int, only: int, result: dict[str, Any]) -> None:
+        plan, state, reader = self.plan, worker.store.state, worker.reader
+        targets = chunk_targets(worker.rows, plan, chunk)
+        if only >= 0:
+            targets = targets[targets == only]
+        todo = ~state.filled_rows(targets, worker.rows.keys_of(targets)) | state.stale_rows(targets)
+        result["skipped"] += int((~todo).sum())
+        rows = targets[todo]
+        indices, variants = worker.rows.index_and_variant(rows)
+        for row, index, variant in zip(rows.tolist(), indices.tolist(), variants.tolist()):
+            try:
+                if worker.set_epoch is not None:
+                    worker.set_epoch(variant)  # sources that key their augmentation on the epoch
+                values = reader.check(worker.dataset[index], index)
+                try:
+                    stored = state.publish(row, index, functools.partial(worker.writer.write, row, values))
+                except NoRoom:
+                    result["no_room"].append(row)  # the heap is full: reported, not an error of the sample
+                    continue
+            except (CacheFormatError, CacheNotFoundError) as exc:
+                if worker.store.moved():  # removed under us (`mmapcache rm --force`): not this sample's fault
+                    result["removed"] = str(exc)
+                    return
+                result["failed"].append((index, variant, f"{type(exc).__name__}: {exc}"))
+                if plan.fail_fast:
+                    return
+                continue
+            except Exception as exc:  # a bad sample must not stop the others (unless fail_fast)
+                result["failed"].append((index, variant, f"{type(exc).__name__}: {exc}"))
+                if plan.fail_fast:
+                    return
+                continue
+            result["filled" if stored else "skipped"] += 1

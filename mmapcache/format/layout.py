@@ -1,0 +1,473 @@
+"""Sample layout: flattening nested samples into typed leaf fields and rebuilding them.
+
+A sample is a tree of containers (tuple, list, dict with str keys, namedtuple) whose leaves are tensors (tensor
+subclasses such as torchvision's ``tv_tensors`` included), numpy arrays, Python or numpy scalars, ``str``,
+``bytes``, and Python lists of numbers (nested or not: Hugging Face's default format), which are one leaf each.
+Flattening yields one *field* per leaf, named by its *field path*: the dict keys and sequence positions joined
+with ``.`` (``"image"``, ``"0"``, ``"meta.2"``). The container tree (the *structure*) and the list of fields (path,
+kind, dtype, shape) are the layout, stored in ``meta.json``.
+
+A field is *ragged* when its shape varies between samples (in any dimension; the number of dimensions is fixed):
+its varying dimensions are ``-1`` in ``shape`` and its values live in a heap (``_heap``). ``str`` and ``bytes``
+fields are always ragged. A tensor subclass's per-sample attributes (``format``, ``canvas_size``) are a *metadata
+field* of its own, kind ``json``, appended after the structure's fields and named ``<path>#meta``.
+
+A sample needs at least one leaf, containers nest at most ``MAX_DEPTH`` (64) deep, and no two leaves may share a
+field path (a key ``"a.b"`` beside a key ``"a"`` holding ``{"b": ...}``). ``fold`` is the one walker over a
+structure tree: the builders, the checker, the describer and the format's validation are callbacks passed to it.
+
+This module speaks numpy only; torch is imported lazily, when a torch tensor is met or must be rebuilt, so that
+``mmapcache inspect`` and unrelated numpy scripts never pay for importing torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ..errors import LayoutError
+from .fields import (
+    BOOL,
+    BYTE_KINDS,
+    BYTES,
+    FLOAT,
+    INT,
+    JSON,
+    KINDS,
+    MAX_DEPTH,
+    MAX_DIMS,
+    MAX_FIELDS,
+    NDARRAY,
+    NPBYTES,
+    NPSCALAR,
+    NPSTR,
+    PYLIST,
+    STR,
+    TENSOR,
+    TEXT_ERRORS,
+    TEXT_KINDS,
+    Field,
+    Leaf,
+    class_path,
+    encode_metadata,
+    find_class,
+    number_list,
+    typed_leaf,
+)
+
+# Re-exported: the modules that build, check and read samples take the field kinds from here.
+__all__ = ["BOOL", "BYTE_KINDS", "BYTES", "FLOAT", "INT", "JSON", "KINDS", "MAX_DEPTH", "MAX_DIMS", "MAX_FIELDS",
+           "NDARRAY", "NPBYTES", "NPSCALAR", "NPSTR", "PYLIST", "STR", "TENSOR", "TEXT_ERRORS", "TEXT_KINDS", "Field",
+           "Layout", "Leaf", "class_path", "describe_structure", "encode_metadata", "find_class", "flatten", "fold",
+           "number_list"]
+
+
+# --- flattening ------------------------------------------------------------------------------------------------
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def flatten(sample: Any) -> tuple[Any, list[Leaf]]:
+    """Splits a sample into its structure (JSON-able) and its leaves, in field order: the structure's leaves,
+    then one metadata leaf per tensor subclass leaf.
+
+    This walks the source's objects, not a structure tree, so it is the one walker ``fold`` does not express.
+
+    Raises:
+        LayoutError: a leaf of an unsupported type, or containers nested deeper than ``MAX_DEPTH``, naming the
+            field path and a fix.
+    """
+    leaves: list[Leaf] = []
+    structure = _flatten(sample, "", leaves, 0)
+    for number in range(len(leaves)):
+        leaf = leaves[number]
+        if leaf.meta is not None:
+            meta_field = Field(f"{leaf.field.name}#meta", JSON, "|u1", (-1,), ragged=True)
+            leaves[number] = Leaf(replace(leaf.field, metadata=len(leaves)), leaf.value)
+            leaves.append(Leaf(meta_field, leaf.meta))
+    return structure, leaves
+
+
+def _flatten(obj: Any, path: str, leaves: list[Leaf], depth: int) -> Any:
+    if type(obj) is list and (obj or path):  # a whole sample of [] has no field: refused as such
+        numbers = number_list(obj)
+        if numbers is not None:  # one array field, not one field per number (Hugging Face's python format)
+            if depth + numbers.ndim > MAX_DEPTH:
+                raise LayoutError(_too_deep(path))
+            return _append(leaves, Leaf(Field(path or "<sample>", PYLIST, numbers.dtype.str, numbers.shape), numbers))
+    if isinstance(obj, (tuple, list, dict)):
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise LayoutError(_too_deep(path))
+    if _is_namedtuple(obj):
+        cls = type(obj)
+        items = [_flatten(v, _join(path, str(i)), leaves, depth) for i, v in enumerate(obj)]
+        return {"namedtuple": [cls.__module__, cls.__qualname__, list(cls._fields)], "items": items}
+    if isinstance(obj, (tuple, list)):
+        kind = "tuple" if isinstance(obj, tuple) else "list"
+        return {kind: [_flatten(v, _join(path, str(i)), leaves, depth) for i, v in enumerate(obj)]}
+    if isinstance(obj, dict):
+        items = []
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise LayoutError(
+                    f"field {path or '<sample>'!r}: dict key {key!r} is a {type(key).__name__}, expected str; "
+                    "use string keys in the samples of the wrapped dataset"
+                )
+            items.append([key, _flatten(value, _join(path, key), leaves, depth)])
+        return {"dict": items}
+    return _append(leaves, typed_leaf(obj, path or "<sample>"))
+
+
+def _append(leaves: list[Leaf], leaf: Leaf) -> dict[str, int]:
+    if len(leaf.field.shape) > MAX_DIMS:
+        raise LayoutError(f"field {leaf.field.name!r}: an array of {len(leaf.field.shape)} dimensions (the limit is "
+                          f"{MAX_DIMS}); reshape it in the wrapped dataset")
+    leaves.append(leaf)
+    return {"leaf": len(leaves) - 1}
+
+
+def _too_deep(path: str) -> str:
+    shown = path if len(path) <= 80 else path[:80] + "..."
+    return (f"field {shown or '<sample>'!r}: containers nested deeper than {MAX_DEPTH} levels (the limit, which also "
+            "stops a self-containing list); flatten the sample in the wrapped dataset, e.g. stack the innermost "
+            "lists into a tensor or join keys into one dict level")
+
+
+# --- the layout of a cache -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The structure and fields of every sample of one cache."""
+
+    structure: Any
+    fields: tuple[Field, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one stored sample (data only, at maximum shape)."""
+        return sum(f.nbytes for f in self.fields)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"structure": self.structure, "fields": [f.to_json() for f in self.fields]}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Layout:
+        return cls(structure=obj["structure"], fields=tuple(Field.from_json(f) for f in obj["fields"]))
+
+    @property
+    def ragged(self) -> tuple[Field, ...]:
+        return tuple(f for f in self.fields if f.ragged)
+
+    @classmethod
+    def from_sample(cls, sample: Any, max_shapes: dict[str, Sequence[int]] | None = None) -> Layout:
+        """The layout of one sample (see ``from_samples``)."""
+        return cls.from_samples([sample], max_shapes)
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[Any], max_shapes: dict[str, Sequence[int]] | None = None,
+                     ragged: Iterable[str] | None = None) -> Layout:
+        """The layout of a first sample, with the shapes of the others (probes) deciding which fields are ragged.
+
+        A field is ragged if it is named in ``ragged``, is ``str``/``bytes``, or its shape differs among the
+        samples; fields named in ``max_shapes`` are instead stored in fixed rows of that maximum shape. Probes
+        whose structure differs from the first sample's are ignored here (storing them fails with the usual
+        explanation).
+
+        Raises:
+            LayoutError: the sample has no leaves, two leaves share a field path, more than ``MAX_FIELDS``
+                fields, an option names an unknown or unsuitable field, or as ``flatten``.
+        """
+        structure, leaves = flatten(samples[0])
+        if not leaves:
+            raise LayoutError(
+                f"a sample needs at least one field (a tensor, array or number); the first sample is "
+                f"{describe_structure(structure)} with none: return at least one value from the wrapped dataset"
+            )
+        if len(leaves) > MAX_FIELDS:
+            raise LayoutError(
+                f"the sample has {len(leaves)} fields (the limit is {MAX_FIELDS}; the first are "
+                f"{', '.join(repr(leaf.field.name) for leaf in leaves[:4])}, ...): its arrays arrive as containers of "
+                "many separate values. Return arrays or tensors instead: for a Hugging Face dataset of numbers, "
+                "dataset.with_format('torch') or dataset.with_format('numpy'); a list of many strings, or of lists "
+                "of different lengths, is one field per element in every format: join or flatten it (e.g. in "
+                "dataset.map) into one str or one array; otherwise stack the values into a tensor in the wrapped "
+                "dataset"
+            )
+        _check_unique_names(structure, leaves)
+        seen: list[set[tuple[int, ...]]] = [{leaf.field.shape} for leaf in leaves]
+        for other in samples[1:]:
+            try:
+                other_structure, other_leaves = flatten(other)
+            except LayoutError:
+                continue
+            if other_structure == structure and len(other_leaves) == len(leaves):
+                for shapes, leaf in zip(seen, other_leaves):
+                    shapes.add(leaf.field.shape)
+        max_shapes = dict(max_shapes or {})
+        declared = set(ragged or ())
+        names = {leaf.field.name for leaf in leaves}
+        unknown = sorted((set(max_shapes) | declared) - names)
+        if unknown:
+            known = ", ".join(repr(leaf.field.name) for leaf in leaves)
+            option = "max_shapes" if set(unknown) & set(max_shapes) else "ragged"
+            raise LayoutError(f"{option} names unknown field(s) {unknown}; the sample's fields are {known}")
+        both = sorted(declared & set(max_shapes))
+        if both:
+            raise LayoutError(f"field(s) {both} are named in both max_shapes and ragged; choose one (ragged packs "
+                              "values of any size; max_shapes reserves the maximum in every row)")
+        fields = []
+        for number, (leaf, shapes) in enumerate(zip(leaves, seen)):
+            field = leaf.field
+            if field.kind == PYLIST and leaf.value.size == 0:
+                field = replace(field, dtype=_probed_list_dtype(samples[1:], structure, number, field.dtype))
+            if field.name in max_shapes:
+                if field.kind not in (TENSOR, NDARRAY, PYLIST) or not field.shape:
+                    what = "always stored packed at its own size (ragged)" if field.kind in BYTE_KINDS else \
+                        "of no shape"
+                    article = "an" if field.kind[0] in "aeiou" else "a"
+                    raise LayoutError(f"max_shapes names field {field.name!r}, {article} {field.kind} {what}; only "
+                                      "arrays, "
+                                      "tensors and lists of numbers have a maximum shape: remove it from max_shapes")
+                limit = tuple(int(d) for d in max_shapes[field.name])
+                _check_fits(field, limit, field.shape, None)
+                field = replace(field, shape=limit, variable=True)
+            elif field.name in declared or (len(shapes) > 1 and not field.ragged):
+                field = _ragged_field(field, shapes, field.name in declared)
+            elif field.kind == PYLIST and len(field.shape) == 1:
+                field = _ragged_field(field, shapes, True)  # a list of numbers: token ids, as often as not
+            fields.append(field)
+        return cls(structure, tuple(fields))
+
+    def check(self, sample: Any, index: int, path: str = "PATH") -> list[np.ndarray]:
+        """Flattens a sample and checks it against this layout; returns its leaves' values in field order.
+
+        Raises:
+            LayoutError: naming the index, the field path, and what was expected versus found (and ``path``, the
+                cache's, in the fix).
+        """
+        try:
+            structure, leaves = flatten(sample)
+        except LayoutError as exc:
+            raise LayoutError(f"sample {index}: {exc}") from None
+        if structure != self.structure or len(leaves) != len(self.fields):
+            raise LayoutError(
+                f"sample {index} has a different structure from the cache's first sample: expected "
+                f"{describe_structure(self.structure)}, found {describe_structure(structure)}; every sample must "
+                "have the same containers and field paths (a list of strings or of tensors is one field per element, "
+                "so its length cannot vary: join the strings into one str, stack the tensors, or pad to one length)"
+            )
+        values = []
+        for field, leaf in zip(self.fields, leaves):
+            found, value = leaf.field, leaf.value
+            if field.kind == PYLIST and found.kind == PYLIST and value.size == 0 and len(found.shape) == len(
+                    field.shape):
+                value = value.astype(field.np_dtype)  # an empty list has no type of its own
+                found = replace(found, dtype=field.dtype)
+            if (found.kind, found.dtype, found.torch_dtype, found.tensor_class) != (
+                    field.kind, field.dtype, field.torch_dtype, field.tensor_class):
+                def what(f: Field) -> str:
+                    kind = f"{f.tensor_class[0]}.{f.tensor_class[1]}" if f.tensor_class else f.kind
+                    return f"{kind} of dtype {f.torch_dtype or f.dtype}"
+                hint = ""
+                if field.kind == PYLIST == found.kind:
+                    hint = (" (a list of numbers takes its element type from the first sample, float64 if that list "
+                            "was empty: remove this cache (`mmapcache rm` it) and create it again with "
+                            "ragged='auto', which learns the type from more samples)")
+                raise LayoutError(
+                    f"sample {index}, field {field.name!r}: expected {what(field)}, found {what(found)}; "
+                    f"make the wrapped dataset return the same types for every index{hint}"
+                )
+            if field.variable:
+                _check_fits(field, field.shape, found.shape, index)
+            elif not field.fits(found.shape):
+                raise LayoutError(_shape_message(field, found.shape, index, path))
+            values.append(value)
+        return values
+
+
+def _probed_list_dtype(probes: Sequence[Any], structure: Any, number: int, default: str) -> str:
+    """An empty list has no element type: take it from the first probe with a non-empty list there, else
+    ``default`` (float64)."""
+    for probe in probes:
+        try:
+            probe_structure, probe_leaves = flatten(probe)
+        except LayoutError:
+            continue
+        if probe_structure == structure and number < len(probe_leaves):
+            leaf = probe_leaves[number]
+            if leaf.field.kind == PYLIST and leaf.value.size:
+                return leaf.field.dtype
+    return default
+
+
+def _ragged_field(field: Field, shapes: set[tuple[int, ...]], declared: bool) -> Field:
+    if not field.shape and field.kind not in (TENSOR, NDARRAY, PYLIST):
+        raise LayoutError(f"field {field.name!r} is a {field.kind}, which has no shape; only arrays, tensors and "
+                          "lists can be ragged: remove it from ragged=")
+    ndims = {len(s) for s in shapes}
+    if len(ndims) > 1:
+        raise LayoutError(
+            f"field {field.name!r} has shapes with different numbers of dimensions ({sorted(shapes)}); a ragged "
+            "field may vary in size but not in number of dimensions: reshape its values in the wrapped dataset"
+        )
+    if declared or not field.shape:
+        shape = tuple(-1 for _ in field.shape)
+    else:
+        shape = tuple(-1 if len({s[d] for s in shapes}) > 1 else field.shape[d] for d in range(len(field.shape)))
+    return replace(field, shape=shape, ragged=True)
+
+
+def _shape_message(field: Field, found: tuple[int, ...], index: int, path: str) -> str:
+    if field.ragged and len(found) != len(field.shape):
+        return (f"sample {index}, field {field.name!r}: {len(found)} dimensions {found}, where the field has "
+                f"{len(field.shape)}; a ragged field may vary in size but not in number of dimensions: reshape its "
+                "values in the wrapped dataset")
+    if field.ragged:
+        return (f"sample {index}, field {field.name!r}: shape {found} does not fit the field's shape "
+                f"{tuple('*' if d < 0 else d for d in field.shape)} (* varies); its other dimensions and the number of "
+                f"dimensions must stay the same: declare the field ragged=[{field.name!r}] in a new cache "
+                "(overwrite=True replaces this one) to let every dimension vary")
+    if len(found) != len(field.shape):
+        return (f"sample {index}, field {field.name!r}: expected shape {field.shape}, found {found}; every sample "
+                "must have the same number of dimensions in each field")
+    return (f"sample {index}, field {field.name!r}: expected shape {field.shape}, found {found}: the field's shape "
+            f"varies, and the cache stores it in fixed rows of one shape (the samples probed when it was created, "
+            f"with ragged='auto', the default, all had that shape; or it was made with ragged=None). Declare it "
+            f"ragged=[{field.name!r}] (values packed at their own size) or max_shapes={{{field.name!r}: ...}} (fixed "
+            f"rows of a maximum shape) in a new cache: pass overwrite=True with the option, or remove this cache "
+            f"(`mmapcache rm {path}`) first")
+
+
+def _check_unique_names(structure: Any, leaves: list[Leaf]) -> None:
+    # A dict key holding the separator ("a.b") can name the same path as nested keys (a -> b); both fields would
+    # be called "a.b", and max_shapes or an error message could only ever name the first. Refused rather than
+    # escaped: escaping would rename fields of caches that exist today, and such keys are rare.
+    seen: dict[str, int] = {}
+    for number, leaf in enumerate(leaves):
+        name = leaf.field.name
+        if name in seen:
+            first, second = (_route(structure, n) for n in (seen[name], number))
+            raise LayoutError(
+                f"two fields have the same path {name!r}: {first} and {second} (a dict key holding '.' names the "
+                "same path as nested keys); rename a key in the wrapped dataset's samples (e.g. 'a_b' for 'a.b')"
+            )
+        seen[name] = number
+
+
+def _route(structure: Any, number: int) -> str:
+    """How to reach leaf ``number`` from the sample, unambiguously: ``sample['a.b']`` or ``sample['a']['b']``."""
+    def leaf(index: int, *_: Any) -> list[str] | None:
+        return [] if index == number else None
+
+    def find(keys: Sequence[Any], parts: list[list[str] | None]) -> list[str] | None:
+        for key, part in zip(keys, parts):
+            if part is not None:
+                return [f"[{key!r}]", *part]
+        return None
+
+    route = fold(structure, leaf=leaf,
+                 sequence=lambda kind, parts, children: find(range(len(parts)), parts),
+                 mapping=lambda keys, parts, children: find(keys, parts),
+                 record=lambda spec, parts, children: find(range(len(parts)), parts))
+    return "sample" + "".join(route or [])
+
+
+def _check_fits(field: Field, limit: tuple[int, ...], shape: tuple[int, ...], index: int | None) -> None:
+    where = f"sample {index}, field {field.name!r}" if index is not None else f"field {field.name!r}"
+    if len(limit) != len(shape) or any(s > m for s, m in zip(shape, limit)):
+        largest = tuple(max(a, b) for a, b in zip(limit, shape)) if len(limit) == len(shape) else shape
+        raise LayoutError(
+            f"{where}: shape {shape} does not fit the declared maximum shape {limit}; declare "
+            f"max_shapes={{{field.name!r}: {largest}}} or larger (same number of dimensions) when creating the cache"
+        )
+
+
+def describe_structure(structure: Any) -> str:
+    """A short human form of a structure: ``tuple(leaf, leaf)``, ``dict(image: leaf, label: leaf)``."""
+    return fold(
+        structure,
+        leaf=lambda index: "leaf",
+        sequence=lambda kind, parts, children: f"{kind}({', '.join(parts)})",
+        mapping=lambda keys, parts, children: "dict(" + ", ".join(f"{k}: {p}" for k, p in zip(keys, parts)) + ")",
+        record=lambda spec, parts, children: f"{spec[1]}({', '.join(spec[2])})",
+    )
+
+
+# --- the one walker over a structure tree ----------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def fold(
+    structure: Any,
+    *,
+    leaf: Callable[[int], T],
+    sequence: Callable[[str, list[T], list[Any]], T],
+    mapping: Callable[[list[str], list[T], list[Any]], T],
+    record: Callable[[tuple[str, str, list[str]], list[T], list[Any]], T],
+) -> T:
+    """Folds a structure tree bottom-up: each node becomes what its kind's callback makes of its children's results.
+
+    The tree is the one in ``meta.json`` (see ``_format``): ``{"leaf": n}``, ``{"tuple": [...]}``,
+    ``{"list": [...]}``, ``{"dict": [[key, node], ...]}`` and ``{"namedtuple": [module, qualname, names],
+    "items": [...]}``. Each container callback also receives its child nodes, so a builder can take a fast path
+    for, say, a tuple of bare leaves.
+
+    Args:
+        structure: the root node.
+        leaf: ``leaf(field_number)``.
+        sequence: ``sequence(kind, parts, children)``, kind ``"tuple"`` or ``"list"``.
+        mapping: ``mapping(keys, parts, children)`` for a dict, keys in order.
+        record: ``record((module, qualname, names), parts, children)`` for a namedtuple.
+
+    Raises:
+        ValueError: a node of unknown shape (only a damaged ``meta.json`` has one).
+        LayoutError: containers nested deeper than ``MAX_DEPTH``.
+    """
+    def visit(node: Any, depth: int) -> T:
+        if type(node) is not dict:
+            raise ValueError(f"structure node {node!r} is not an object")
+        keys = node.keys()
+        if keys == {"leaf"}:
+            index = node["leaf"]
+            if type(index) is not int:
+                raise ValueError(f"leaf {index!r} is not a field number")
+            return leaf(index)
+        if depth >= MAX_DEPTH:
+            raise LayoutError(f"a structure nests containers deeper than {MAX_DEPTH} levels, the limit")
+        if keys == {"tuple"} or keys == {"list"}:
+            kind = "tuple" if "tuple" in keys else "list"
+            children = _children(node[kind], node)
+            return sequence(kind, [visit(c, depth + 1) for c in children], children)
+        if keys == {"dict"}:
+            pairs = _children(node["dict"], node)
+            if not all(type(p) is list and len(p) == 2 and type(p[0]) is str for p in pairs):
+                raise ValueError("a dict node must list [key, node] pairs with string keys")
+            children = [p[1] for p in pairs]
+            return mapping([p[0] for p in pairs], [visit(c, depth + 1) for c in children], children)
+        if keys == {"namedtuple", "items"}:
+            spec = node["namedtuple"]
+            if type(spec) is not list or len(spec) != 3:
+                raise ValueError(f"bad namedtuple description {spec!r}")
+            children = _children(node["items"], node)
+            return record((spec[0], spec[1], spec[2]), [visit(c, depth + 1) for c in children], children)
+        raise ValueError(f"unknown structure node with keys {sorted(keys)}")
+
+    return visit(structure, 0)
+
+
+def _children(children: Any, node: Any) -> list[Any]:
+    if type(children) is not list:
+        raise ValueError(f"structure node {node!r} does not list its children")
+    return children

@@ -1,0 +1,448 @@
+"""The on-disk format of a cache: file names, the ``meta.json`` schema, magic and version.
+
+Format version 2
+================
+
+A cache is a directory. Every file in it is created before the directory is renamed into place, so a
+reader never sees a partial cache: it is built as ``<parent>/.mmapcache-new-PID-HEX/cache`` (a scratch directory
+whose first file is the marker ``MMAPCACHE-SCRATCH``), and removed by renaming it to
+``<parent>/.mmapcache-old-PID-HEX/cache`` first; only such marked scratch directories of dead processes are ever
+swept. Every file of a cache is a regular file with one link (opened with ``O_NOFOLLOW``; see ``_files``).
+Every file but the heaps has a fixed size from creation; heaps grow (see below); nothing is ever truncated.
+
+Terms: ``N`` = ``length`` (samples in the source); ``S`` = ``slots`` (samples that can be cached, ``S <= N``);
+``K`` = ``variants`` (stored versions of each sample); ``R = S * K`` rows. In mode ``"cache"``, sample ``i``
+lives in slot ``s = i`` when ``slot_index`` is null and ``i < S`` (a cached prefix), else in slot ``s`` with
+``slot_index.npy[s] == i``; its variant ``v`` is row ``r = s * K + v``. (Node shares that rotate and the stream
+ring map samples to rows differently: see their sections.)
+
+``meta.json`` (UTF-8 JSON, written once at creation, never modified)::
+
+    {"magic": "mmapcache", "format_version": 2, "library_version": "0.3.0",
+     "created": "2026-11-23T03:00:00Z",      # UTC, ISO 8601
+     "mode": "cache" | "stream",             # see "Stream mode"
+     "share": null | {...},                  # this node's share of the indices, see "Node shares"
+     "stream": null | {"seed": s},           # mode "stream" only, see "Stream mode"
+     "length": N, "slots": S, "variants": K, "rows": R,
+     "slot_index": null | "slot_index.npy",  # which source index each slot holds, when not a prefix
+     "fingerprint": null | "<str>",          # caller's identification of the source
+     "deterministic": true | false,          # whether the source returns the same sample for the same index
+                                             #   (absent in caches made before 0.3: true)
+     "delete_on_close": false,               # remove the cache when its last user detaches
+     "heap_budget": null | <int>,            # bytes all heaps together may reserve (from max_bytes)
+     "structure": {...},                     # the container tree: {"tuple": [...]}, {"list": [...]},
+                                             #   {"dict": [[key, node], ...]},
+                                             #   {"namedtuple": [module, qualname, [names]], "items": [...]},
+                                             #   {"leaf": field_number}
+     "fields": [{"name": "0", "kind": "tensor", "dtype": "|u1", "torch_dtype": "uint8",
+                 "shape": [3, 64, 64], "variable": false, "ragged": false, "class": null, "metadata": null,
+                 "file": "0.npy", "shape_file": null, "heap": null, "index_file": null}, ...]}
+
+``kind`` is one of tensor, ndarray, int, float, bool, numpy_scalar, str, bytes, numpy_str, numpy_bytes, pylist (a
+Python list of numbers, nested or not, stored as one array and returned with ``tolist()``), json (a tensor
+subclass's attributes). ``dtype`` is ``numpy.dtype.str``; torch dtypes without a numpy equivalent (bfloat16,
+complex32, float8) are stored as the unsigned integer of the same width and ``torch_dtype`` names the real type.
+The structure's leaves are the fields ``0 .. L-1``; metadata fields (kind json, named ``<path>#meta``) follow them.
+At most 256 fields; arrays have at most 32 dimensions.
+
+``class`` (tensor fields): null, or ``[module, qualname]`` of the ``torch.Tensor`` subclass a value is rebuilt as
+(found among imported modules only; never imported because this file names it). ``metadata``: null, or the
+number of the json field holding each sample's instance attributes as compact JSON, where a dict is
+``{"dict": {...}}``, a tuple ``{"tuple": [...]}`` and an Enum member ``{"enum": [module, qualname, name]}``.
+
+Fixed fields (``ragged`` false). ``<field>.npy``: a standard NumPy ``.npy`` file (format 1.0, C order) of shape
+``(R, *shape)``, so ``numpy.load(path + "/image.npy", mmap_mode="r")`` reads it. Row ``r`` holds the sample stored
+in row ``r`` if its filled bit is set; other rows are zero or stale. A *variable* field (``max_shapes``) holds the
+value flattened (C order) in the row's first ``prod(actual_shape)`` elements; the actual shape is row ``r`` of
+``<field>.shape.npy``, an int64 ``.npy`` of shape ``(R, ndim)``.
+
+Ragged fields (``ragged`` true: ``str``, ``bytes``, json, 1-D lists of numbers, and arrays whose shape varies;
+``shape`` holds ``-1`` in each dimension that varies, ``file`` is null):
+
+- ``<field>.heap``: the values' bytes (C order; UTF-8 for ``str``). Its size is its *capacity*, reserved with
+  ``posix_fallocate`` before any byte is written there, so a reader mapping it never faults past the end of the
+  file. Each row owns an *extent* of the heap, at an offset that is a multiple of the dtype's item size.
+- ``<field>.index.npy``: int64 ``.npy`` of shape ``(R, 2 + ndim)``: ``[offset, extent_bytes, *shape]`` of row
+  ``r``: its extent and the value's shape; the value is the first ``prod(shape) * itemsize`` bytes of the extent.
+- ``heaps.u64``: per ragged field, in field order, a block of ``8 + 320`` little-endian uint64: ``[end, capacity,
+  abandoned, uncached, free, 0, 0, 0]`` then 320 free-list heads. ``end``: bytes of the heap handed out to extents
+  so far; ``capacity``: the heap file's size; ``abandoned``: bytes of ``[0, end)`` no row uses and no list holds
+  (scraps under 16 bytes, alignment); ``uncached``: samples passed through uncached because the heap had no room;
+  ``free``: bytes on the free lists. Head ``c`` is 0 (empty) or 1 + the offset of the first free extent of size
+  class ``c``: sizes in ``[(8 + c % 8) << (c // 8 + 1), (9 + c % 8) << (c // 8 + 1))`` (8 classes per power of
+  two from 16 bytes). A free extent's first 16 bytes are two little-endian uint64: 1 + the offset of the next
+  extent on its list (0: the last), and its own size. Changed only under the writer lock.
+
+How writers use the heap (``_heap`` has the details): a row's first value gets an extent of exactly its size at
+``end``; a rewrite stays in place when it fits the row's extent and uses at least half of it, else moves to an
+extent from the free lists or at ``end`` (sized to its class), and frees the old one. ``end`` grows the file
+first by ``max(16 KiB, capacity / 16)`` (within ``heap_budget``, and past what the value needs by at most half
+of what the budget has left, which the ragged fields share). With no room (the file system, or the budget),
+the row is not stored and ``uncached`` counts it. A reader maps a heap at its size when it opens it, and maps it
+again when a row's value ends past the mapped size.
+
+``slot_index.npy`` (only when ``slot_index`` is not null): int64, shape ``(S,)``: the source index in each slot.
+
+``keys.i64``: ``R`` little-endian int64: the key of the value row ``r`` holds, written with the row (inside its
+seqlock window): the source index in mode "cache", the sequence number in mode "stream". A reader that maps rows
+dynamically (a rotating share, the stream) accepts a row only if its key is the one it looks for.
+
+``filled.bits``: ``ceil(R / 8)`` bytes; bit ``r`` (byte ``r // 8``, bit ``r % 8``, little-endian bit order as
+``numpy.unpackbits(bits, bitorder="little")`` reads it) is 1 when row ``r`` holds a complete sample.
+
+``stale.bits``: same size and order; bit ``r`` is 1 when row ``r`` was marked for recomputation (refresh).
+
+``seq.u32``: ``R`` little-endian uint32 sequence counters. A writer makes ``seq[r]`` odd before touching row
+``r``'s bytes (fixed rows, heap bytes, index row and key) and even (one higher) after. A reader copies a row only
+if its filled bit is set and ``seq[r]`` is even, and keeps the copy only if ``seq[r]`` is unchanged after the copy
+(a seqlock). A filled row's counter is at least 2. An odd counter seen by a writer holding the lock is a writer
+that died mid-write: the row is treated as unfilled, and its old heap extents as lost (never reused or freed).
+
+``changes.u64``: 2 little-endian uint64, ``[changes, complete]``: a seqlock over the whole cache and the number of
+complete rows (filled bit set, counter even, not stale). A writer makes ``changes`` odd before it changes any row or
+bit and even after, and keeps ``complete`` exact. A reader that finds ``changes`` even and ``complete == R`` before
+copying rows, and ``changes`` unchanged after, needs no per-row check: no writer touched anything meanwhile. A writer
+that finds ``changes`` odd (a writer died mid-change) counts ``complete`` again from the bits.
+
+``lock``: empty. ``flock(LOCK_EX)`` on it is the writer lock: bitmaps, counters, keys and heap counters change,
+and rows are written, only under it. POSIX byte-range locks (``fcntl``) on byte ``c`` of the same file are build
+workers' claims on chunk ``c`` in mode "cache", and a producer's claim on row ``c`` in mode "stream" (Linux keeps
+the two kinds of lock independent); the kernel drops both when a holder dies.
+
+``users``: empty. Every process using the cache holds ``flock(LOCK_SH)`` on it; a process that can take
+``LOCK_EX`` is the last user (used by ``delete_on_close`` and by ``rm`` to refuse caches in use).
+
+Node shares
+-----------
+
+``share``: ``{"node": k, "nodes": n, "seed": s, "rotate_every": E | null}``: the cache holds only node ``k``'s part
+of a partition of ``0 .. N-1`` into ``n`` near-equal parts, the same on every node. The partition of generation
+``g`` is ``numpy.random.default_rng([s, g]).permutation(N)`` cut into ``n`` consecutive parts, part ``j`` holding
+positions ``[j * N // n, (j + 1) * N // n)``; the share is part ``k``, sorted. Without rotation (``rotate_every``
+null) the share is generation 0's, recorded as ``slot_index.npy``, and the cache is an ordinary one of those
+slots. With rotation, epoch ``e`` is in generation ``g = e // E``, ``S = ceil(N / n)``, ``slot_index.npy`` holds
+generation 0's share (padded with -1 past its end), and sample ``i`` of generation ``g`` lives in slot ``j``, its
+position in generation ``g``'s sorted share; a row filled under another generation holds another index (its key
+says which), reads as a miss and is overwritten.
+
+Stream mode
+-----------
+
+``mode: "stream"``: ``K = 1``, no ``slot_index``, no ``share``, ``stream: {"seed": s}``. Epoch ``e``'s order is
+``numpy.random.default_rng([s, e]).permutation(N)``; its position ``p`` has the sequence number ``q = e * N + p``,
+kept in row ``q % S`` with key ``q``. Rank ``r`` of ``W`` consumer ranks reads positions ``r + k * W``, ``k < ceil(N
+/ W)``; those past ``N`` (``DistributedSampler``'s padding) are index ``order[p - N]``, never stored. Two more
+files:
+
+- ``ring.u64``: ``8 + 2 * 256`` little-endian uint64: ``[next, produced, served, computed, waited_ns, skipped, 0,
+  0]``, then two words per consumer rank (up to 256). ``next``: the next sequence number a producer claims;
+  ``produced``: values published; ``served``: values served from the ring (each at most once); ``computed``:
+  positions a consumer computed itself (the producer was behind, or padding); ``waited_ns``: time consumers spent
+  waiting for a producer; ``skipped``: values produced but passed by their consumer before they were published.
+  Rank ``r``'s words: its cursor, 0 (never read) or 1 + the next sequence number it will read from the ring; and
+  its progress, 0 or ``epoch << 32 | (k + 1)``: it consumed its first ``k`` positions of ``epoch``. Counters
+  change under the writer lock; a rank's words are written by that rank only.
+- ``producers``: empty; every producer holds ``flock(LOCK_SH)`` on it while it runs.
+
+A producer claims ``q = max(next, low)`` (``low``: the smallest cursor in use) if ``q < low + S``, holds a POSIX
+lock on byte ``q % S`` of ``lock`` while it computes, and publishes the row with key ``q`` unless its consumer has
+passed it. A consumer reads row ``q % S`` only if its key is ``q`` (filled, seqlock as above), and moves its cursor
+past ``q`` once the batch is handed to the training loop: no value is served twice, and a row is reused only once
+every cursor has passed it.
+
+Format history
+--------------
+1: first version. No heaps, keys or modes; str, bytes, lists and tensor subclasses refused.
+2: ragged fields in heaps with free lists; str, bytes, pylist and json kinds; tensor subclasses (``class``,
+   ``metadata``); ``keys.i64``, ``heaps.u64``, ``changes.u64``, ``heap_budget``; node shares (``share``); stream
+   mode (``mode``, ``stream``, ``ring.u64``, ``producers``). A version-1 cache is refused with a message to
+   rebuild it (a cache is derived data; reading both would double the read path).
+   Since mmapcache 0.3, ``meta.json`` records ``deterministic`` (readers of 0.2 ignore it; a cache without it
+   reads as ``true``): a compatible addition, not a new version.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import keyword
+import os
+import re
+from typing import Any
+
+from ..errors import CacheFormatError
+from .layout import (
+    BOOL,
+    BYTE_KINDS,
+    BYTES,
+    FLOAT,
+    INT,
+    JSON,
+    KINDS,
+    MAX_DIMS,
+    NPBYTES,
+    NPSCALAR,
+    NPSTR,
+    STR,
+    Layout,
+    fold,
+)
+
+MAGIC = "mmapcache"
+FORMAT_VERSION = 2
+MODES = ("cache", "stream")
+
+META = "meta.json"
+FILLED = "filled.bits"
+STALE = "stale.bits"
+SEQ = "seq.u32"
+LOCK = "lock"
+USERS = "users"
+SLOT_INDEX = "slot_index.npy"
+KEYS = "keys.i64"
+HEAPS = "heaps.u64"
+CHANGES = "changes.u64"
+CHANGES_WORDS = 2
+RING = "ring.u64"
+RING_WORDS = 8 + 2 * 256  # the counters, then two words per consumer rank (see "Stream mode")
+PRODUCERS = "producers"
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}$")
+
+
+def field_files(layout: Layout) -> list[dict[str, str | None]]:
+    """The files of each field: ``file`` and ``shape_file`` (fixed fields), ``heap`` and ``index_file`` (ragged
+    ones), named ``<name>.*`` when the name is a safe, unique file name, else ``field-<n>.*``."""
+    taken = {SLOT_INDEX, KEYS, HEAPS, RING, PRODUCERS, CHANGES}
+    files = []
+    for n, field in enumerate(layout.fields):
+        def names(stem: str, field: Any = field) -> dict[str, str | None]:
+            if field.ragged:
+                return {"file": None, "shape_file": None, "heap": f"{stem}.heap", "index_file": f"{stem}.index.npy"}
+            return {"file": f"{stem}.npy", "shape_file": f"{stem}.shape.npy" if field.variable else None,
+                    "heap": None, "index_file": None}
+        chosen = names(field.name if _SAFE_NAME.match(field.name) else f"field-{n}")
+        if any(name in taken for name in chosen.values() if name):
+            chosen = names(f"field-{n}")
+        taken.update(name for name in chosen.values() if name)
+        files.append(chosen)
+    return files
+
+
+def make_meta(
+    layout: Layout,
+    *,
+    length: int,
+    slots: int,
+    variants: int,
+    has_slot_index: bool,
+    fingerprint: str | None,
+    delete_on_close: bool,
+    library_version: str,
+    heap_budget: int | None = None,
+    share: dict[str, Any] | None = None,
+    stream: dict[str, Any] | None = None,
+    deterministic: bool = True,
+) -> dict[str, Any]:
+    fields = [{**field.to_json(), **files} for field, files in zip(layout.fields, field_files(layout))]
+    return {
+        "magic": MAGIC,
+        "format_version": FORMAT_VERSION,
+        "library_version": library_version,
+        "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "mode": "cache" if stream is None else "stream",
+        "share": share,
+        "stream": stream,
+        "length": length,
+        "slots": slots,
+        "variants": variants,
+        "rows": slots * variants,
+        "slot_index": SLOT_INDEX if has_slot_index else None,
+        "fingerprint": fingerprint,
+        "deterministic": deterministic,
+        "delete_on_close": delete_on_close,
+        "heap_budget": heap_budget,
+        "structure": layout.structure,
+        "fields": fields,
+    }
+
+
+def parse_meta(text: str, directory: str) -> dict[str, Any]:
+    """``meta.json``'s text, parsed and validated (the cache at ``directory`` is named in errors).
+
+    Raises:
+        CacheFormatError: unknown magic or version, or a malformed file; the message names the file, what was
+            found and what was expected, and the fix.
+    """
+    path = os.path.join(directory, META)
+    fix = f"remove the damaged cache with `mmapcache rm --force {directory}` and build it again"
+    try:
+        meta = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise CacheFormatError(f"{path} is not valid JSON ({exc}); {fix}") from None
+    if not isinstance(meta, dict) or meta.get("magic") != MAGIC:
+        found = meta.get("magic") if isinstance(meta, dict) else type(meta).__name__
+        raise CacheFormatError(f"{path}: magic is {found!r}, expected {MAGIC!r}: this is not an mmapcache cache; {fix}")
+    version = meta.get("format_version")
+    if version == 1:
+        raise CacheFormatError(
+            f"{path}: format version 1, written by an older mmapcache; this mmapcache reads version {FORMAT_VERSION}. "
+            f"A cache is derived data: rebuild it (`mmapcache rm --force {directory}`, then open it with its source "
+            "dataset or run `mmapcache build`)"
+        )
+    if version != FORMAT_VERSION:
+        raise CacheFormatError(
+            f"{path}: format version {version!r}, this mmapcache reads version {FORMAT_VERSION}; upgrade mmapcache "
+            f"to read it, or remove it (`mmapcache rm --force {directory}`) and build it again"
+        )
+    try:
+        _check_meta(meta)
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise CacheFormatError(f"{path} is malformed ({type(exc).__name__}: {exc}); {fix}") from None
+    return meta
+
+
+
+
+def _check_meta(meta: dict[str, Any]) -> None:
+    if meta["mode"] not in MODES:
+        raise ValueError(f"mode {meta['mode']!r} is not one of {MODES}")
+    _check_share(meta)
+    _check_stream(meta)
+    if type(meta.setdefault("deterministic", True)) is not bool:
+        raise ValueError(f"deterministic must be true or false, found {meta['deterministic']!r}")
+    if meta["heap_budget"] is not None and (not isinstance(meta["heap_budget"], int) or meta["heap_budget"] < 0):
+        raise ValueError(f"heap_budget must be null or a non-negative integer, found {meta['heap_budget']!r}")
+    for key in ("length", "slots", "variants", "rows"):
+        if type(meta[key]) is not int or not 0 <= meta[key] <= MAX_COUNT:
+            raise ValueError(f"{key!r} must be an integer in [0, 2**48], found {meta[key]!r}")
+    if meta["rows"] != meta["slots"] * meta["variants"] or meta["slots"] > meta["length"] or meta["variants"] < 1:
+        raise ValueError(f"inconsistent sizes: length {meta['length']}, slots {meta['slots']}, variants "
+                         f"{meta['variants']}, rows {meta['rows']}")
+    layout = Layout.from_json(meta)
+    if len(layout.fields) != len(meta["fields"]) or not layout.fields:
+        raise ValueError("no fields")
+    metadata = [f.metadata for f in layout.fields if f.metadata is not None]
+    for number, field in enumerate(layout.fields):
+        # Readers rebuild samples from these: an unknown kind or an object dtype would fail later, mid-read.
+        if field.kind not in KINDS or field.np_dtype.hasobject or any(d < (-1 if field.ragged else 0)
+                                                                      for d in field.shape):
+            raise ValueError(f"field {field.name!r}: bad kind {field.kind!r}, dtype {field.dtype!r} or shape "
+                             f"{field.shape}")
+        _check_field(field, meta["fields"][number])
+        if field.metadata is not None and not (
+                type(field.metadata) is int and 0 <= field.metadata < len(layout.fields)
+                and layout.fields[field.metadata].kind == JSON and field.tensor_class is not None):
+            raise ValueError(f"field {field.name!r}: bad metadata field {field.metadata!r}")
+    leaves = _structure_leaves(meta["structure"])
+    if sorted(leaves + metadata) != list(range(len(layout.fields))):
+        raise ValueError(f"the structure's leaves {sorted(leaves)} and metadata fields {metadata} do not match the "
+                         f"{len(layout.fields)} fields")
+    used = dict.fromkeys((META, FILLED, STALE, SEQ, LOCK, USERS, KEYS, HEAPS, RING, PRODUCERS, CHANGES),
+                         "a state file")
+    if meta["slot_index"] is not None:
+        if meta["slot_index"] != SLOT_INDEX:
+            raise ValueError(f"slot_index names {meta['slot_index']!r}, expected {SLOT_INDEX!r}")
+        used[SLOT_INDEX] = "the slot index"
+    for field in meta["fields"]:
+        for key in ("file", "shape_file", "heap", "index_file"):
+            name = field[key]
+            if name is not None and (not isinstance(name, str) or "/" in name or name.startswith(".")):
+                raise ValueError(f"field {field['name']!r}: bad file name {name!r}")
+            if name is not None and name in used:
+                # Two writers of one file would overwrite each other's rows: every file has one owner.
+                raise ValueError(f"field {field['name']!r}: its {key} {name!r} is also {used[name]}")
+            if name is not None:
+                used[name] = f"the {key} of field {field['name']!r}"
+
+
+# What each kind of leaf is stored as (see above): its dtype, when it has one fixed dtype, and its dimensions.
+_KIND_DTYPES = {INT: "<i8", FLOAT: "<f8", BOOL: "|b1", STR: "|u1", BYTES: "|u1", JSON: "|u1", NPSTR: "|u1",
+                NPBYTES: "|u1"}
+_SCALAR_KINDS = (INT, FLOAT, BOOL, NPSCALAR)
+# torch dtypes and their item sizes: a tensor field's storage dtype has the same width.
+_TORCH_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
+                   "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4,
+                   "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+                   "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1}
+# Lengths, slots and rows above this are not a real cache's (and would make readers allocate without bound).
+MAX_COUNT = 1 << 48
+
+
+def _check_field(field: Any, spec: dict[str, Any]) -> None:
+    """A field's entry describes what a writer of this version writes: a kind with its dtype and dimensions, one
+    storage (fixed rows, ``max_shapes`` rows, or a heap) with the files it needs, and nothing contradictory."""
+    problem = None
+    files = {key: spec.get(key) for key in ("file", "shape_file", "heap", "index_file")}
+    if field.ragged and field.variable:
+        problem = "both ragged and variable"
+    elif field.ragged != (files["file"] is None) or field.ragged != (files["heap"] is not None) or (
+            field.ragged != (files["index_file"] is not None)) or field.variable != (files["shape_file"] is not None):
+        problem = f"its files {files} do not match ragged={field.ragged}, variable={field.variable}"
+    elif field.kind in _KIND_DTYPES and field.dtype != _KIND_DTYPES[field.kind]:
+        problem = f"kind {field.kind!r} is stored as {_KIND_DTYPES[field.kind]!r}, not {field.dtype!r}"
+    elif field.kind in BYTE_KINDS and (not field.ragged or len(field.shape) != 1):
+        problem = f"kind {field.kind!r} is stored ragged with one dimension"
+    elif field.kind in _SCALAR_KINDS and (field.shape or field.ragged or field.variable):
+        problem = f"kind {field.kind!r} is a scalar, stored in fixed rows"
+    elif field.torch_dtype is not None and _TORCH_ITEMSIZE.get(field.torch_dtype, field.np_dtype.itemsize) != (
+            field.np_dtype.itemsize):
+        problem = f"torch_dtype {field.torch_dtype!r} is not stored as {field.dtype!r}"
+    elif field.np_dtype.kind not in "biufc" or len(field.shape) > MAX_DIMS:
+        problem = f"dtype {field.dtype!r} or {len(field.shape)} dimensions cannot be stored"
+    if problem is not None:
+        raise ValueError(f"field {field.name!r}: {problem}")
+
+
+def _is_count(value: Any, low: int = 0) -> bool:
+    return type(value) is int and value >= low
+
+
+def _check_share(meta: dict[str, Any]) -> None:
+    share = meta["share"]
+    if share is None:
+        return
+    if not isinstance(share, dict) or set(share) != {"node", "nodes", "seed", "rotate_every"}:
+        raise ValueError(f"share must be null or {{node, nodes, seed, rotate_every}}, found {share!r}")
+    node, nodes, rotate = share["node"], share["nodes"], share["rotate_every"]
+    if not (_is_count(nodes, 1) and _is_count(node) and node < nodes and type(share["seed"]) is int
+            and (rotate is None or _is_count(rotate, 1))):
+        raise ValueError(f"bad share {share!r}")
+    if meta["mode"] != "cache" or meta["slot_index"] is None:
+        raise ValueError("a node share needs mode 'cache' and a slot index")
+
+
+def _check_stream(meta: dict[str, Any]) -> None:
+    stream = meta["stream"]
+    if meta["mode"] != "stream":
+        if stream is not None:
+            raise ValueError("stream settings in a cache of mode 'cache'")
+        return
+    if not isinstance(stream, dict) or set(stream) != {"seed"} or type(stream["seed"]) is not int:
+        raise ValueError(f"stream must be {{seed}}, found {stream!r}")
+    if meta["variants"] != 1 or meta["slot_index"] is not None or meta["share"] is not None or meta["slots"] < 1:
+        raise ValueError("a stream has one variant, at least one slot, no slot index and no share")
+
+
+def _structure_leaves(node: Any) -> list[int]:
+    """The field numbers of a structure tree (see the format above); ValueError (or LayoutError, a TypeError, for
+    nesting deeper than ``MAX_DEPTH``) if the tree is malformed."""
+    def record(spec: tuple[Any, Any, Any], parts: list[list[int]], children: list[Any]) -> list[int]:
+        module, qualname, names = spec
+        # The names become a class's fields when a reader rebuilds the namedtuple: they must be valid ones.
+        if not (isinstance(module, str) and isinstance(qualname, str) and isinstance(names, list)
+                and all(isinstance(n, str) and n.isidentifier() and not keyword.iskeyword(n) and n[0] != "_"
+                        for n in names) and len(set(names)) == len(names)
+                and qualname.rsplit(".", 1)[-1].isidentifier()):
+            raise ValueError(f"bad namedtuple description {list(spec)!r}")
+        if len(children) != len(names):
+            raise ValueError(f"namedtuple {qualname!r} has {len(names)} names but items {children!r}")
+        return _concat(parts)
+
+    return fold(node, leaf=lambda number: [number], record=record,
+                sequence=lambda kind, parts, children: _concat(parts),
+                mapping=lambda keys, parts, children: _concat(parts))
+
+
+def _concat(parts: list[list[int]]) -> list[int]:
+    return [number for part in parts for number in part]

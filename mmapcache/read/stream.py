@@ -1,0 +1,307 @@
+"""Reading a stream: a rank's positions of each epoch's order, from the ring where a producer has filled them,
+computed where not (or waited for), and the loader that hands them to a training loop and moves the rank's cursor.
+
+``StreamReads`` is one process's reading side of an open stream (made by the dataset when it opens one): where a
+rank starts (its cursor, so a restarted reader resumes), the batch of positions ``k0 .. k1-1``, and the cursor's
+moves. ``StreamLoader`` is what ``ds.loader()`` returns for a stream. The ring itself (order, cursors, claims,
+counters) is ``_stream``; the producers are ``_producer``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..errors import SampleNotCachedError, StreamTimeoutError
+from ..store.ring import Ring, producers_of
+from .collate import PadCollate
+from .gather import alloc_shared
+
+__all__ = ["StreamLoader", "StreamReads", "read_positions"]
+
+
+class _StreamDataset(Protocol):
+    """What the stream loader needs of a dataset (``MmapCachedDataset`` provides it)."""
+
+    path: str
+    transform: Callable[[Any], Any] | None
+
+    @property
+    def epoch(self) -> int: ...
+
+    def stream_reads(self) -> StreamReads: ...
+
+    def __len__(self) -> int: ...
+
+
+class StreamReads:
+    """The reading side of one open stream in one process. Safe across processes and threads.
+
+    Args:
+        ring: the stream's ring.
+        reader: the cache's reader.
+        compute: ``index -> values``: the source's checked sample (a miss), or None without a source.
+        epoch: the dataset's shared epoch cell (a one-element int64 view), which a rank's start moves.
+        wait, timeout: ``on_miss="wait"`` and ``wait_timeout``.
+    """
+
+    def __init__(self, ring: Ring, reader: Any, compute: Callable[[int], list[Any]] | None, epoch: Any,
+                 wait: bool, timeout: float) -> None:
+        self.ring, self.reader, self.compute, self.epoch = ring, reader, compute, epoch
+        self.wait, self.timeout = wait, timeout
+
+    def start(self, rank: int, ranks: int) -> tuple[int, int]:
+        """Where rank ``rank`` of ``ranks`` starts reading: its position ``(epoch, k)`` in the stream, recorded as
+        its cursor. That is this epoch's start (``set_epoch``), or later if the rank already read part of it (a
+        restarted reader resumes; nothing it was served is served again)."""
+        ring = self.ring
+        per_rank = ring.per_rank(ring.length, ranks)
+        start = (int(self.epoch[0]), 0)
+        progress = ring.progress(rank)
+        if progress is not None and progress > start:
+            start = progress
+        if start[1] >= per_rank:
+            start = (start[0] + 1, 0)
+        ring.set_progress(rank, ranks, *start)
+        self.epoch[0] = start[0]
+        return start
+
+    def consumed(self, rank: int, ranks: int, epoch: int, k: int, stats: dict[str, int]) -> None:
+        """Records that rank ``rank`` was handed its positions up to ``k`` of ``epoch`` (moves its cursor, counts
+        ``stats``). Called in the process that iterates the loader."""
+        self.ring.set_progress(rank, ranks, epoch, k)
+        self.ring.count(**stats)
+
+    def progress(self, rank: int) -> tuple[int, int] | None:
+        """``(epoch, k)``: rank ``rank`` was handed its first ``k`` positions of ``epoch``; None if it never read."""
+        return self.ring.progress(rank)
+
+    def seek(self, rank: int, ranks: int, epoch: int, k: int) -> None:
+        """Moves rank ``rank``'s cursor to its position ``k`` of ``epoch`` (a restored checkpoint's); the dataset's
+        epoch follows."""
+        self.ring.set_progress(rank, ranks, epoch, k)
+        self.epoch[0] = epoch
+
+    def read(self, epoch: int, rank: int, ranks: int, k0: int, k1: int, pad: Any = None,
+             collate: Callable[[list[Any]], Any] | None = None,
+             transform: Callable[[Any], Any] | None = None) -> tuple[dict[str, int], Any]:
+        """Positions ``k0 .. k1-1`` of rank ``rank`` of ``ranks`` in epoch ``epoch``, collated (the gathered batch;
+        with ``collate`` or a ``transform``, ``collate([transform(sample), ...])``), and the counts of values
+        served, computed and the time waited."""
+        reader = self.reader
+        positions = rank + np.arange(k0, k1, dtype=np.int64) * ranks
+        alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
+        columns, stats = read_positions(self.ring, reader, epoch, positions, self._compute, wait=self.wait,
+                                        timeout=self.timeout, alloc=alloc)
+        if reader.variable:
+            samples = [reader.sample_from_values([c[k] for c in columns]) for k in range(len(positions))]
+        elif collate is not None or transform is not None:
+            samples = reader.samples(columns)
+        else:
+            return stats, reader.collate(columns, pad)
+        if transform is not None:
+            samples = [transform(sample) for sample in samples]
+        return stats, (collate or pad or torch.utils.data.default_collate)(samples)
+
+    def _compute(self, index: int) -> list[Any]:
+        if self.compute is None:
+            path = self.ring.store.path
+            raise SampleNotCachedError(
+                f"sample {index} of the stream at {path} is not in its ring (no producer has computed it), and the "
+                "stream was opened without a source dataset; open it with MmapCachedDataset(path, dataset, "
+                "stream=True) to compute such samples, or start producers (`mmapcache build PATH --dataset SPEC "
+                "--follow`)")
+        return self.compute(index)
+
+
+# How often a reader waiting for a producer looks again (seconds): short first, longer as the wait goes on.
+_WAIT_POLL = (0.0005, 0.02)
+
+
+def read_positions(ring: Ring, reader: Any, epoch: int, positions: np.ndarray, compute: Any, *, wait: bool,
+                   timeout: float, alloc: Any = np.empty) -> tuple[list[Any], dict[str, int]]:
+    """The values of ``positions`` of ``epoch`` (a rank's, in order) as gathered columns, and what it took.
+
+    A position whose row holds its sequence number is copied from the ring (``served``); one that does not is
+    computed here with ``compute(index) -> values`` (``computed``), after waiting for a producer when ``wait`` (up to
+    ``timeout`` seconds, counted in ``waited_ns``; positions no producer may fill before this rank moves on are
+    computed at once). Padding positions (past ``N``) are always computed. Nothing is stored.
+
+    Raises:
+        StreamTimeoutError: ``wait`` and no producer published a position within ``timeout``.
+    """
+    n, slots = ring.length, ring.slots
+    order = ring.order(epoch)
+    in_ring = positions < n
+    indices = order[np.where(in_ring, positions, positions - n)]
+    qs = np.where(in_ring, epoch * n + positions, -1)
+    rows = np.where(in_ring, qs % slots, -1)
+    if reader.variable:  # max_shapes fields: read one position at a time
+        columns, missing = _per_position(reader, len(positions)), list(range(len(positions)))
+    else:
+        columns, missing = reader.gather(rows, alloc, qs)
+    stats = {"served": len(positions) - len(missing), "computed": 0, "waited_ns": 0}
+    for k in missing:
+        q, row, index = int(qs[k]), int(rows[k]), int(indices[k])
+        values = reader.read_values(row, q) if q >= 0 else None  # rewritten during the gather: read again
+        if values is None and wait and q >= 0:
+            started = time.monotonic_ns()
+            poll = _WAIT_POLL[0]
+            while values is None and q < ring.low() + slots:
+                if time.monotonic_ns() - started > timeout * 1e9:
+                    raise StreamTimeoutError(_timeout_message(ring, q, index, timeout))
+                time.sleep(poll)
+                poll = min(poll * 2, _WAIT_POLL[1])
+                values = reader.read_values(row, q)
+            stats["waited_ns"] += time.monotonic_ns() - started
+        if values is None:
+            values = compute(index)
+            stats["computed"] += 1
+        else:
+            stats["served"] += 1
+        for column, value in zip(columns, values):
+            column[k] = value
+    return columns, stats
+
+
+class _Column(list):
+    """A column of one value per position, for layouts ``gather`` cannot batch (``max_shapes`` fields). It keeps a
+    copy of each array put in it: the value may be a view of a buffer the source refills for its next sample."""
+
+    def __setitem__(self, position: Any, value: Any) -> None:
+        super().__setitem__(position, value.copy() if isinstance(value, np.ndarray) else value)
+
+
+def _per_position(reader: Any, count: int) -> list[Any]:
+    return [_Column([None] * count) for _ in reader.fields]
+
+
+def _timeout_message(ring: Ring, q: int, index: int, timeout: float) -> str:
+    producers = producers_of(ring.store.path)
+    running = (f"producer(s) {', '.join(map(str, producers))} are running but did not keep up (the ring holds "
+               f"{ring.slots} samples; add producer workers)") if producers else \
+        "no producer is running for it (none started, or all exited or were killed)"
+    return (f"waited {timeout:g} s for position {q % ring.length} of epoch {q // ring.length} (sample {index}) of the "
+            f"stream at {ring.store.path}: {running}. Start one with `mmapcache build {ring.store.path} --dataset "
+            "SPEC --follow --workers N` or ds.produce(workers=N), or read with on_miss='compute' to compute what is "
+            "not ready")
+
+
+class StreamLoader:
+    """``ds.loader()`` over a stream: each iteration yields this rank's next epoch of the stream's order (or the
+    rest of the epoch it was reading), in batches, and moves the rank's cursor past each batch as the training loop
+    receives it. The batches are read by an inner DataLoader (its workers, if any); see ``_stream`` and ``StreamReads``.
+
+    Takes DataLoader's arguments except those that choose the order (``shuffle``, ``sampler``, ``batch_sampler``,
+    ``generator``: the stream's seeded order is fixed), plus ``rank``/``world_size`` (default: the local rank and
+    the ranks of this node that share the ring, as ``prefill`` finds them).
+    """
+
+    def __init__(self, ds: _StreamDataset, pad: PadCollate | None, **kwargs: Any) -> None:
+        for name in ("shuffle", "sampler", "batch_sampler", "generator"):
+            if kwargs.get(name) not in (None, False):
+                raise ValueError(f"{name}= chooses an order, and a stream reads its own seeded order (the seed= it "
+                                 f"was created with); leave {name} out of ds.loader()")
+            kwargs.pop(name, None)
+        batch_size = kwargs.pop("batch_size", 1)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1 for a stream, got {batch_size!r}")
+        rank, world_size = kwargs.pop("rank", None), kwargs.pop("world_size", None)
+        if (rank is None) != (world_size is None):
+            raise TypeError("ds.loader() takes both rank= and world_size=, or neither (for the environment's)")
+        if rank is None:
+            from ..store.share import local_rank_and_size
+
+            rank, world_size = local_rank_and_size(ds.path)
+        if not 0 <= rank < world_size <= _MAX_RANKS:
+            raise ValueError(f"rank {rank} of {world_size}: need 0 <= rank < world_size <= {_MAX_RANKS}")
+        self.ds, self.rank, self.ranks = ds, rank, world_size
+        self.batch_size, self.drop_last = batch_size, bool(kwargs.pop("drop_last", False))
+        collate = kwargs.pop("collate_fn", None)
+        self.per_rank = -(-len(ds) // world_size)
+        self._plan = _Plan()
+        self._loader = DataLoader(_StreamReads(ds, rank, world_size, pad, None if pad is not None else collate),
+                                  batch_size=None, sampler=self._plan, collate_fn=_whole, **kwargs)
+
+    def __iter__(self) -> Iterator[Any]:
+        reads = self.ds.stream_reads()
+        epoch, start = reads.start(self.rank, self.ranks)
+        stop = self.per_rank - (self.per_rank - start) % self.batch_size if self.drop_last else self.per_rank
+        self._plan.items = [(epoch, a, min(a + self.batch_size, stop)) for a in range(start, stop, self.batch_size)]
+        for (epoch, _, end), (stats, batch) in zip(self._plan.items, self._loader):
+            reads.consumed(self.rank, self.ranks, epoch, end, stats)
+            yield batch
+        if stop < self.per_rank:  # drop_last: the short tail is not read, but it is passed
+            reads.consumed(self.rank, self.ranks, epoch, self.per_rank, {})
+
+    def __len__(self) -> int:
+        """Batches in one whole epoch of this rank."""
+        return self.per_rank // self.batch_size if self.drop_last else -(-self.per_rank // self.batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is in the stream: its epoch and the positions handed to the training loop (its cursor,
+        which the ring also keeps). ``CacheLoader``'s protocol."""
+        epoch, position = self.ds.stream_reads().progress(self.rank) or (self.ds.epoch, 0)
+        return {"format": _STREAM_STATE_FORMAT, "length": len(self.ds), "world_size": self.ranks, "rank": self.rank,
+                "batch_size": self.batch_size, "epoch": epoch, "position": position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Moves this rank's cursor to where ``state`` was (a checkpoint restored after the run went on: the
+        positions read since are read again, computed afresh where the ring no longer holds them).
+
+        Raises:
+            ValueError: not a stream loader's state, or one of another dataset length, batch size or rank count.
+        """
+        if not isinstance(state, dict) or state.get("format") != _STREAM_STATE_FORMAT:
+            raise ValueError(f"not a state of a stream's ds.loader() (format {_STREAM_STATE_FORMAT!r}); pass what its "
+                             "state_dict() returned")
+        mine = {"length": len(self.ds), "world_size": self.ranks, "rank": self.rank, "batch_size": self.batch_size}
+        differ = [f"{key} {state.get(key)!r} in the state, {value!r} here" for key, value in mine.items()
+                  if state.get(key) != value]
+        if differ:
+            raise ValueError(f"this loader state was saved by a loader of another shape ({'; '.join(differ)}): "
+                             "resuming from it would read other positions")
+        self.ds.stream_reads().seek(self.rank, self.ranks, int(state["epoch"]), int(state["position"]))
+
+
+_STREAM_STATE_FORMAT = "mmapcache.stream_loader/1"
+
+
+_MAX_RANKS = 256
+
+
+class _Plan(Sampler):
+    """The batches of the current iteration, set by ``StreamLoader`` before the inner DataLoader starts it."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, int, int]] = []
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        return iter(list(self.items))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class _StreamReads(Dataset):
+    """Maps ``(epoch, k0, k1)`` to ``(stats, batch)``: this rank's positions ``k0 .. k1-1``."""
+
+    def __init__(self, ds: _StreamDataset, rank: int, ranks: int, pad: PadCollate | None, collate: Any) -> None:
+        self.ds, self.rank, self.ranks, self.pad, self.collate = ds, rank, ranks, pad, collate
+
+    def __getitem__(self, key: tuple[int, int, int]) -> tuple[dict[str, int], Any]:
+        epoch, k0, k1 = key
+        return self.ds.stream_reads().read(epoch, self.rank, self.ranks, k0, k1, self.pad, self.collate,
+                                           self.ds.transform)
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+
+def _whole(batch: Any) -> Any:
+    return batch  # each item is already a collated batch

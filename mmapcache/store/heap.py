@@ -1,0 +1,306 @@
+"""Heaps: where ragged fields' values live, packed back to back, and how a writer finds room for one.
+
+One heap per ragged field (``<field>.heap``), its per-row ``[offset, capacity, *shape]`` in ``<field>.index.npy``
+and a block of ``BLOCK`` counters in ``heaps.u64`` (see ``_format``). Readers map a heap at its size and map it
+again when they meet a value past their mapping; a heap never shrinks, so an old mapping stays valid for
+everything it covers.
+
+Writers allocate under the cache's writer lock (``_filled``), inside the row's seqlock window, so a reader of a
+row being rewritten retries whatever the allocator does with the bytes it was copying:
+
+- Each row owns an extent of ``capacity`` bytes (the second word of its index row), at least its value's
+  ``prod(shape) * itemsize``. A row's first value gets an extent of exactly its size, at the end of the heap: a
+  heap filled once is packed back to back.
+- A rewrite whose value fits the row's extent and uses at least half of it is written in place. A value that
+  does not fit moves to a new extent, and so does one using under half of its extent if a free extent fits it
+  (so large extents return to the free lists for the rows whose values grow). The old extent is freed once the
+  new value and its index row are written.
+- Free extents sit on segregated lists, 8 size classes per power of two from 16 bytes (each class 12.5% larger
+  than the one below); an extent is pushed on the list of the largest class whose lower bound is ``<= size``.
+  A moving value of ``n`` bytes pops from the list of the smallest class whose lower bound is ``>= n``, or one of
+  the next 4 (extents up to ~1.8x the value); with none, it is appended at the end in an extent of that lower
+  bound, so it can serve another value of its class once freed. The end grows the file with
+  ``posix_fallocate`` first (never a sparse page a reader could fault on: SIGBUS on a full tmpfs), and never
+  writes past the capacity so reserved: a writer checks the counters, and the extent a row's index records, before
+  it writes (damage there is a ``CacheFormatError``, never a write).
+- Each free extent holds, in its first 16 bytes, the offset + 1 of the next one in its list and its own size.
+  Freed extents under 16 bytes (a row's first, exact value), and alignment padding, are *abandoned*.
+
+So the space rewrites give up is reused by later values, and fragmentation is bounded: the heap holds the live
+values, the rows' slack (under 2x each), the free lists (counted in ``free``) and the abandoned scraps (counted in
+``abandoned``), which ``mmapcache inspect`` shows. Measured (``tests/test_sample_types.py``): 200 rows refreshed
+half at a time with values of 32..2400 bytes level off at 1.5x the live values (flat from round 10 to 80). A writer
+killed mid-write leaks at most the extents it was moving (counted nowhere; the row itself reads as unfilled), never
+hands one extent to two rows: the next writer of a row whose counter is odd ignores that row's old extent (see
+``RowWriter.write``).
+
+When the file system or the cache's heap budget has no room, ``allocate`` returns None and the sample is served
+uncached (``uncached`` counts it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from ..errors import CacheFormatError
+from .files import open_file
+
+# The counters of one heap (a row of heaps.u64), then the free-list heads.
+END, CAPACITY, ABANDONED, UNCACHED, FREE = range(5)
+HEADS = 8  # the first head's word; words 5..7 are reserved (zero)
+_CLASSES_PER_DOUBLING = 8
+_MIN_EXTENT_LOG2 = 4  # 16 bytes: room for a free extent's two words
+CLASSES = 40 * _CLASSES_PER_DOUBLING  # up to 2**44 bytes (16 TiB) per extent
+BLOCK = HEADS + CLASSES  # uint64 words per ragged field in heaps.u64
+MIN_EXTENT = 1 << _MIN_EXTENT_LOG2
+# Growth step: at least this, else a sixteenth of the capacity (reserved-but-unused space stays under ~6%).
+_MIN_GROWTH = 1 << 14
+_PAGE = 4096
+# How many classes above the one that fits a value ``reuse`` looks in (each is 12.5% larger than the one below).
+_SEARCH = 5
+
+
+def size_class(nbytes: int) -> int:
+    """The class of an extent of ``nbytes >= MIN_EXTENT``: the largest class whose lower bound is ``<= nbytes``."""
+    k = nbytes.bit_length() - 1
+    return (k - _MIN_EXTENT_LOG2) * _CLASSES_PER_DOUBLING + ((nbytes >> (k - 3)) & 7)
+
+
+def class_floor(cls: int) -> int:
+    """The smallest extent size in class ``cls``."""
+    k, sub = divmod(cls, _CLASSES_PER_DOUBLING)
+    return (8 + sub) << (k + _MIN_EXTENT_LOG2 - 3)
+
+
+def class_size(nbytes: int) -> int:
+    """The smallest class floor ``>= nbytes`` (at least ``MIN_EXTENT``): the size of an extent allocated for a
+    value of ``nbytes`` that may move (at most 12.5% more than the value)."""
+    if nbytes <= MIN_EXTENT:
+        return MIN_EXTENT
+    floor = size_class(nbytes)
+    return nbytes if class_floor(floor) == nbytes else class_floor(floor + 1)
+
+
+class Heap:
+    """One ragged field's heap file, mapped for reading (and open for ``pwrite`` in a writable store).
+
+    Thread-safe for readers: ``covering`` may remap concurrently; every mapping made is kept until ``close``
+    (values copied out of an older one are still valid: the heap only grows). Writing methods need the cache's
+    writer lock.
+    """
+
+    def __init__(self, directory: str, name: str, counters: np.ndarray, writable: bool) -> None:
+        self.path = os.path.join(directory, name)
+        self.counters = counters  # this heap's BLOCK uint64 words (a view of heaps.u64)
+        self.writable = writable
+        try:
+            self.fd = open_file(directory, name, os.O_RDWR if writable else os.O_RDONLY)
+        except FileNotFoundError:
+            raise CacheFormatError(f"{self.path} is missing; the cache is damaged: remove it (`mmapcache rm "
+                                   f"--force {directory}`) and build it again") from None
+        self._maps: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+        self.buf = np.empty(0, np.uint8)
+        self.size = 0
+        self.remap()
+        self.check_counters(self.size)
+
+    def _damaged(self, problem: str) -> CacheFormatError:
+        directory = os.path.dirname(self.path)
+        return CacheFormatError(f"{self.path}: {problem}; the cache is damaged: remove it (`mmapcache rm --force "
+                                f"{directory}`) and build it again (`mmapcache verify {directory}` lists the damage)")
+
+    def check_counters(self, size: int | None = None) -> None:
+        """Raises ``CacheFormatError`` unless this heap's counters describe its file: ``end <= capacity <= size``
+        (the file's size: ``fstat`` unless given) and ``free <= end``. Checked when the heap is opened, and by a
+        writer before it changes anything (holding the writer lock), so that no write lands past what
+        ``posix_fallocate`` reserved."""
+        c = self.counters
+        end, capacity, free = int(c[END]), int(c[CAPACITY]), int(c[FREE])
+        if size is None:
+            size = os.fstat(self.fd).st_size
+        if not 0 <= end <= capacity <= size:
+            raise self._damaged(f"its counters in heaps.u64 say {end} bytes are in use of {capacity} reserved, but "
+                                f"the file has {size} bytes (need used <= reserved <= file size): the file or "
+                                "heaps.u64 is truncated or overwritten")
+        abandoned, uncached = int(c[ABANDONED]), int(c[UNCACHED])
+        if free + abandoned > end or uncached >= 1 << 63:
+            raise self._damaged(f"its counters in heaps.u64 say {free} bytes are free and {abandoned} abandoned of "
+                                f"{end} in use, and {uncached} samples were not stored")
+
+    def check_extent(self, offset: int, capacity: int, align: int, row: int) -> None:
+        """Raises ``CacheFormatError`` unless ``[offset, offset + capacity)``, row ``row``'s extent as its index
+        row records it, lies in the heap's used part at a multiple of ``align``. A writer checks a row's extent
+        before it writes into or frees it (holding the writer lock)."""
+        end = int(self.counters[END])
+        if capacity < 0 or offset < 0 or offset + capacity > end or (capacity and offset % align):
+            raise self._damaged(f"row {row}'s index records the extent [offset {offset}, {capacity} bytes], not a "
+                                f"part of the heap's {end} used bytes at a multiple of {align}")
+
+    def remap(self) -> None:
+        """Maps the heap at its current size, if it grew since the last mapping."""
+        with self._lock:
+            size = os.fstat(self.fd).st_size
+            if size <= self.size:
+                return
+            m = mmap.mmap(self.fd, size, mmap.MAP_SHARED,
+                          access=mmap.ACCESS_WRITE if self.writable else mmap.ACCESS_READ)
+            self._maps.append(m)
+            self.buf = np.frombuffer(m, np.uint8)
+            self.size = size
+
+    def covering(self, end: int) -> np.ndarray:
+        """The mapped bytes, remapped if ``end`` lies past them (a value written after this process mapped)."""
+        if end > self.size:
+            self.remap()
+        return self.buf
+
+    # --- writing (caller holds the writer lock) ----------------------------------------------------------------
+
+    def allocate(self, nbytes: int, align: int, budget_left: int | None, *,
+                 exact: bool = False) -> tuple[int, int] | None:
+        """Room for ``nbytes``: ``(offset, capacity)``, the offset a multiple of ``align`` and ``capacity >= nbytes``
+        the extent's size, which the row keeps. From the free lists, else at the end of the heap (growing the file),
+        sized to the value's class (``class_size``) so that it can serve other values when freed, or to the value
+        exactly with ``exact`` (a row's first value: a heap filled once is as compact as it can be). None when there
+        is no room (the caller counts ``uncached``). Caller holds the writer lock."""
+        if nbytes == 0:
+            return 0, 0
+        room = self.reuse(nbytes, align)
+        if room is not None:
+            return room
+        size = nbytes if exact else class_size(nbytes)
+        c = self.counters
+        end = int(c[END])
+        offset = -(-end // align) * align
+        need = offset + size
+        capacity = int(c[CAPACITY])
+        if need > capacity:
+            grown = max(need, capacity + max(_MIN_GROWTH, capacity // 16))
+            grown = -(-grown // _PAGE) * _PAGE
+            if budget_left is not None:
+                # Under a budget that the ragged fields share, grow past what the value needs by at most half of
+                # what is left: a step of one field must not take the room of the others' next values.
+                grown = min(grown, max(need, capacity + budget_left // 2))
+                if grown - capacity > budget_left:
+                    return None
+            if not self._reserve(grown):
+                return None
+            c[CAPACITY] = grown
+        c[END] = need
+        c[ABANDONED] += offset - end  # alignment padding
+        return offset, size
+
+    def reuse(self, nbytes: int, align: int) -> tuple[int, int] | None:
+        """Room for ``nbytes`` from the free lists only (never growing the heap): ``(offset, capacity)``, or None.
+        Looks in the class that fits and a few above it (extents up to ~1.8x the value). Caller holds the lock."""
+        c = self.counters
+        if not int(c[FREE]):
+            return None
+        need = nbytes + align - 1  # room for the value wherever the extent starts
+        first = size_class(class_size(need))
+        if first >= CLASSES:
+            return None
+        heads = c[HEADS + first:HEADS + min(CLASSES, first + _SEARCH)]
+        nonempty = np.flatnonzero(heads)
+        if not len(nonempty):
+            return None
+        cls = first + int(nonempty[0])
+        offset, end = int(c[HEADS + cls]) - 1, int(c[END])
+        if not 0 <= offset <= end - MIN_EXTENT:
+            raise self._damaged(f"the free list of size class {cls} starts at offset {offset}, outside the heap's "
+                                f"{end} used bytes")
+        record = self.covering(end)[offset:offset + MIN_EXTENT].view("<u8")
+        following, size = int(record[0]), int(record[1])
+        # A record is written before the head (or the record) that points to it: anything else is damage, never a
+        # writer's interrupted step. Handing it out could give away bytes that some row uses.
+        if (size < max(need, MIN_EXTENT) or size_class(size) != cls or offset + size > end
+                or following > end - MIN_EXTENT + 1 or size > int(c[FREE])):
+            raise self._damaged(f"the free extent at offset {offset} (on the list of size class {cls}) records "
+                                f"{size} bytes and the next at {following - 1}: not an extent of that class inside "
+                                f"the heap's {end} used bytes")
+        c[HEADS + cls] = following
+        c[FREE] -= size
+        start = -(-offset // align) * align
+        c[ABANDONED] += start - offset
+        return start, offset + size - start
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Gives back an extent no row uses any more (onto the list of its class). Caller holds the writer lock."""
+        if nbytes <= 0:
+            return
+        c = self.counters
+        cls = size_class(nbytes) if nbytes >= MIN_EXTENT else CLASSES
+        if cls >= CLASSES:
+            c[ABANDONED] += nbytes  # under 16 bytes (a row's first, exact value): no room for the list's record
+            return
+        head = HEADS + cls
+        self._pwrite(offset, np.array([int(c[head]), nbytes], "<u8"))  # the record first, then the head
+        c[head] = offset + 1
+        c[FREE] += nbytes
+
+    def free_extents(self) -> tuple[list[tuple[int, int]], str | None]:
+        """The ``(offset, size)`` of every extent on the free lists, and the first problem found walking them (an
+        entry outside the heap's used bytes, an extent of another size class, a list that loops), or None. For
+        ``verify``: reads only."""
+        c = self.counters
+        end = int(c[END])
+        buf = self.covering(end)
+        free: list[tuple[int, int]] = []
+        for cls in range(CLASSES):
+            at, hops = int(c[HEADS + cls]), 0
+            while at:
+                offset = at - 1
+                if not 0 <= offset <= end - MIN_EXTENT:
+                    return free, (f"a free list of size class {cls} points at offset {offset}, outside the heap's "
+                                  f"{end} used bytes")
+                following, size = (int(x) for x in buf[offset:offset + MIN_EXTENT].view("<u8"))
+                if size < MIN_EXTENT or size_class(size) != cls or offset + size > end:
+                    return free, (f"the free extent at offset {offset} (size class {cls}) records {size} bytes: not "
+                                  f"an extent of that class inside the heap's {end} used bytes")
+                free.append((offset, size))
+                at, hops = following, hops + 1
+                if hops > end // MIN_EXTENT:
+                    return free, f"the free list of size class {cls} is longer than the heap can hold: it loops"
+        return free, None
+
+    def _reserve(self, size: int) -> bool:
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                return False
+            raise
+        return True
+
+    def write(self, offset: int, value: np.ndarray) -> None:
+        """Copies a value's bytes to ``offset`` with ``pwrite`` (the kernel copies into the shared pages)."""
+        self._pwrite(offset, np.ascontiguousarray(value))
+
+    def _pwrite(self, offset: int, value: np.ndarray) -> None:
+        view = value.reshape(-1).view(np.uint8).data
+        while view:
+            written = os.pwrite(self.fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.buf = np.empty(0, np.uint8)
+        for m in self._maps:
+            with contextlib.suppress(BufferError, ValueError):
+                m.close()
+        self._maps.clear()
+
+
+def budget_left(counters: np.ndarray, budget: int | None) -> int | None:
+    """Bytes the heaps may still reserve together (``heap_budget`` minus every heap's capacity), or None."""
+    if budget is None:
+        return None
+    return max(0, budget - int(counters[:, CAPACITY].sum()))

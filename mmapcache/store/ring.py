@@ -1,0 +1,216 @@
+"""Stream mode: a ring of rows holding the next positions of each epoch's order, each value served at most once.
+
+A stream cache (``mode: "stream"``, see ``_format``) keeps no sample for good. Epoch ``e``'s order is the seeded
+permutation ``order(e)`` of the ``N`` indices, the same in every process; its position ``p`` is the global sequence
+number ``q = e * N + p``, stored (when a producer has computed it) in row ``q % S`` with key ``q``. Rank ``r`` of
+the ``W`` consumer ranks of a node reads positions ``r, r + W, ...`` of every epoch, as ``DistributedSampler``
+splits indices: ``ceil(N / W)`` each, the last ones past ``N`` padding (computed by the rank itself, from the
+start of the order, never stored).
+
+Consumers move their cursor (``ring.u64``: two words per rank, the next sequence number the rank will read, and
+its progress ``(epoch, k)``) past a batch once it has been handed to the training loop. Producers claim sequence
+numbers in order, ahead of the slowest consumer (``low``, the smallest cursor) by at most ``S``, so a row is only
+rewritten once every consumer has passed its previous value: nothing is served twice, and nothing waiting to be
+read is overwritten. While it computes, a producer holds a POSIX lock on byte ``row`` of the cache's ``lock`` file;
+a position whose claim is free but whose row does not hold it was lost with a killed producer, and is claimed
+again. Counters (``produced``, ``served``, ``computed``, ``waited_ns``, ``skipped``) change under the writer lock.
+
+Numpy only: producers started by ``mmapcache build --follow`` and ``inspect`` never import torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+
+from ..format import spec as fmt
+from .admin import holders_of
+from .files import open_file
+from .state import ChunkClaims, map_exact
+
+__all__ = ["Ring", "RING_WORDS", "MAX_RANKS", "epoch_order", "producers_of", "register_producer"]
+
+NEXT, PRODUCED, SERVED, COMPUTED, WAITED_NS, SKIPPED = range(6)
+HEADER = 8
+MAX_RANKS = 256
+RING_WORDS = fmt.RING_WORDS  # HEADER + 2 * MAX_RANKS
+_PROGRESS_BITS = 32  # progress word: epoch << 32 | (k + 1); 0 = the rank never read
+
+
+def epoch_order(seed: int, epoch: int, length: int) -> np.ndarray:
+    """Epoch ``epoch``'s order: the permutation every process computes alike (see ``_format``)."""
+    return np.random.default_rng([seed, epoch]).permutation(length).astype(np.int64)
+
+
+class Ring:
+    """One process's view of a stream cache's ring: the order, the cursors and counters, producer claims.
+
+    Args:
+        store: the open stream cache (``_store.Store`` of mode ``"stream"``).
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.state = store, store.state
+        self.length: int = store.length
+        self.slots: int = store.slots
+        self.seed: int = store.meta["stream"]["seed"]
+        access = mmap.ACCESS_WRITE if store.writable else mmap.ACCESS_READ
+        self._map = map_exact(store.path, fmt.RING, 8 * RING_WORDS, access, store.writable)
+        self.words = np.frombuffer(self._map, "<u8")
+        self._order: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
+        self.claims = ChunkClaims(store.path)
+
+    # --- the order --------------------------------------------------------------------------------------------
+
+    def order(self, epoch: int) -> np.ndarray:
+        cached = self._order
+        if cached[0] != epoch:
+            cached = self._order = (epoch, epoch_order(self.seed, epoch, self.length))
+        return cached[1]
+
+    def index_of(self, q: int) -> int:
+        """The source index at sequence number ``q``."""
+        epoch, position = divmod(q, self.length)
+        return int(self.order(epoch)[position])
+
+    # --- consumers --------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def per_rank(length: int, ranks: int) -> int:
+        """Positions each of ``ranks`` consumers reads per epoch: ``ceil(N / W)``, as ``DistributedSampler``."""
+        return -(-length // ranks)
+
+    def progress(self, rank: int) -> tuple[int, int] | None:
+        """``(epoch, k)``: rank ``rank`` has consumed its first ``k`` positions of ``epoch``; None if it never read."""
+        word = int(self.words[HEADER + 2 * rank + 1])
+        if word == 0:
+            return None
+        return word >> _PROGRESS_BITS, (word & ((1 << _PROGRESS_BITS) - 1)) - 1
+
+    def set_progress(self, rank: int, ranks: int, epoch: int, k: int) -> None:
+        """Records that rank ``rank`` of ``ranks`` consumed its first ``k`` positions of ``epoch``; its cursor
+        becomes the next sequence number it will read from the ring. Written by that rank alone (aligned 8-byte
+        stores: other processes see the old or the new value, never a mix)."""
+        position = rank + k * ranks
+        cursor = epoch * self.length + position if position < self.length else (epoch + 1) * self.length + rank
+        self.words[HEADER + 2 * rank] = cursor + 1
+        self.words[HEADER + 2 * rank + 1] = (epoch << _PROGRESS_BITS) | (k + 1)
+
+    def problems(self) -> list[str]:
+        """What in the ring's words no reader or producer could have written (for ``verify``): a rank's cursor
+        without progress, or one that is not a sequence number of the epoch its progress names, or the next."""
+        found = []
+        n = self.length
+        for rank in range(MAX_RANKS):
+            cursor, word = int(self.words[HEADER + 2 * rank]), int(self.words[HEADER + 2 * rank + 1])
+            if word == 0:
+                if cursor:
+                    found.append(f"rank {rank} has a cursor ({cursor - 1}) but never read")
+                continue
+            epoch, k = word >> _PROGRESS_BITS, (word & ((1 << _PROGRESS_BITS) - 1)) - 1
+            if not 0 <= k <= n or not epoch * n <= cursor - 1 < (epoch + 2) * n:
+                found.append(f"rank {rank}'s cursor {cursor - 1} and progress (epoch {epoch}, position {k}) do not "
+                             f"describe a place in the stream of {n} samples")
+        return found
+
+    def low(self) -> int:
+        """The smallest sequence number a consumer may still read (0 before any consumer started)."""
+        cursors = self.words[HEADER:HEADER + 2 * MAX_RANKS:2]
+        active = cursors[cursors > 0]
+        return int(active.min()) - 1 if len(active) else 0
+
+    def count(self, **deltas: int) -> None:
+        """Adds to the counters (``served=``, ``computed=``, ``waited_ns=``, ``skipped=``) under the lock."""
+        names = {"produced": PRODUCED, "served": SERVED, "computed": COMPUTED, "waited_ns": WAITED_NS,
+                 "skipped": SKIPPED}
+
+        def add() -> None:
+            for name, delta in deltas.items():
+                if delta:
+                    self.words[names[name]] += delta
+        self.state.under_lock(add)
+
+    def stats(self) -> dict[str, int]:
+        words = self.words
+        low = self.low()
+        return {"produced": int(words[PRODUCED]), "served": int(words[SERVED]), "computed": int(words[COMPUTED]),
+                "waited_ns": int(words[WAITED_NS]), "skipped": int(words[SKIPPED]), "next": int(words[NEXT]),
+                "low": low, "ahead": self.ready_ahead(low), "slots": self.slots}
+
+    def ready_ahead(self, low: int | None = None) -> int:
+        """How many positions from ``low`` on are produced and waiting in the ring."""
+        low = self.low() if low is None else low
+        qs = np.arange(low, low + self.slots, dtype=np.int64)
+        return int(self.state.filled_rows(qs % self.slots, qs).sum())
+
+    # --- producers (each holds a claim on the row it computes) ---------------------------------------------------
+
+    def claim(self) -> int | None:
+        """The next sequence number to produce, claimed (its row's byte locked) under the writer lock; None when
+        the ring is full (``S`` positions ahead of the slowest consumer) and no claim was lost by a dead producer.
+        """
+        return self.state.under_lock(self._claim_locked)
+
+    def _claim_locked(self) -> int | None:
+        low = self.low()
+        q = max(int(self.words[NEXT]), low)
+        if q < low + self.slots and self.claims.try_claim(q % self.slots):
+            self.words[NEXT] = q + 1
+            return q
+        return self._reclaim_locked(low, q)
+
+    def _reclaim_locked(self, low: int, end: int) -> int | None:
+        """A position in ``[low, end)`` claimed by a producer that died before publishing it, now claimed by us."""
+        qs = np.arange(low, min(end, low + self.slots), dtype=np.int64)
+        lost = qs[~self.state.filled_rows(qs % self.slots, qs)]
+        for q in lost[:64].tolist():
+            if self.claims.try_claim(q % self.slots):
+                return q
+        return None
+
+    def publish(self, q: int, write: Any) -> bool:
+        """Stores the value of ``q`` (``write(owned)`` writes the row), unless every consumer has passed it, and
+        releases the claim. Returns whether it was stored."""
+        row = q % self.slots
+        try:
+            stored = self.state.publish(row, q, write, wanted=lambda: q >= self.low())
+            self.count(produced=int(stored), skipped=int(not stored))
+            return stored
+        finally:
+            self.claims.release(row)
+
+    def publish_created(self, q: int, write: Any) -> None:
+        """Stores position ``q < S`` of epoch 0 in row ``q``: the samples the stream's creator computed to learn the
+        layout (positions 0, 1, ...). Producers then start after it; a position skipped below (a probe that could
+        not be stored) is claimed again as a lost one."""
+        self.state.publish(q, q, write)
+
+        def account() -> None:
+            self.words[NEXT] = max(int(self.words[NEXT]), q + 1)
+            self.words[PRODUCED] += 1
+        self.state.under_lock(account)
+
+    def release(self, q: int) -> None:
+        """Gives up a claim without publishing (the source raised): a consumer will compute the position."""
+        self.claims.release(q % self.slots)
+
+    def close(self) -> None:
+        self.claims.close()
+        del self.words
+        self._map.close()
+
+
+def producers_of(path: str) -> list[int]:
+    """Pids of the producers running for the stream cache at ``path`` (holders of ``producers``)."""
+    return holders_of(path, fmt.PRODUCERS)
+
+
+def register_producer(path: str) -> int:
+    """Holds a shared ``flock`` on ``producers`` for this process's life (returns the descriptor to close)."""
+    fd = open_file(path, fmt.PRODUCERS, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd

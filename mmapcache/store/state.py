@@ -1,0 +1,421 @@
+"""Slot state: the filled and stale bitmaps, the per-row seqlock counters, and the writer lock.
+
+This is the only module that takes the lock or changes the state files (see ``_format`` for their layout).
+
+Publication protocol (a writer storing row ``r`` for source index ``key``), all under the writer lock:
+  1. re-check: a filled, non-stale row with an even counter is left alone (someone else stored it);
+  2. ``seq[r]`` becomes odd; 3. the row's bytes are written (heap room is found first: with none, the counter
+  is put back and nothing was written), then ``keys[r] = key``; 4. ``seq[r]`` becomes even;
+  5. the filled bit is set and the stale bit cleared.
+Readers take no lock: a row is read if its filled bit is set and its counter is even, and the copy is kept only
+if the counter did not change meanwhile. A writer killed between 2 and 4 leaves an odd counter, which the next
+writer (holding the lock, so it knows nobody is mid-write) treats as "not filled".
+
+Memory ordering: row bytes are stored before the counter and bit stores, and readers load the bit and counter
+before the bytes. On x86-64 (total store order) that program order is what other processes observe; the flock
+system calls around every write are full barriers on the writer side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+
+from ..errors import CacheFormatError, CacheReadOnlyError
+from ..format.spec import CHANGES, CHANGES_WORDS, FILLED, KEYS, LOCK, SEQ, STALE
+from .files import open_file
+
+T = TypeVar("T")
+
+
+class NoRoom(Exception):
+    """Raised by a row's ``write`` before it writes anything, and then by ``publish``: a heap has no room for the
+    value (the sample is served uncached)."""
+
+
+def bitmap_bytes(rows: int) -> int:
+    return (rows + 7) // 8
+
+
+class WriterLock:
+    """The cache's writer lock: a thread lock plus the kernel's blocking ``flock`` on ``<cache>/lock``.
+
+    Blocking ``flock`` hands the lock over as soon as it is released (filelock's ``FileLock`` polls with
+    ``LOCK_NB`` every 50 ms by default, which serialises contended writers badly: see ``tools/bench.py``).
+    ``flock`` belongs to an open file description, which all threads of a process share, so the thread lock is
+    what serialises the threads of one process; it is taken first, and the descriptor is opened under it (threads
+    missing at once on a freshly opened cache must not each open, and then unlock, another's descriptor).
+    A forked child gets a fresh thread lock and its own descriptor (``os.register_at_fork``): a lock held by a
+    parent's thread at fork time would stay held forever, and sharing the parent's open file description would
+    make the two processes hold "one" lock together. Safe across processes and threads.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+        self._pid = -1
+        self._fd = -1
+        self._thread_lock = threading.Lock()
+        _LOCKS.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._thread_lock = threading.Lock()
+        self._fd, self._pid = -1, -1  # the inherited descriptor stays open: it is the parent's description
+
+    def _open_locked(self) -> None:
+        """Opens this process's descriptor. Caller holds the thread lock."""
+        try:
+            self._fd = open_file(self._directory, LOCK, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CacheFormatError(_lock_missing(os.path.join(self._directory, LOCK))) from None
+        self._pid = os.getpid()
+
+    def __enter__(self) -> WriterLock:
+        self._thread_lock.acquire()
+        try:
+            if self._pid != os.getpid():
+                self._open_locked()
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            if os.fstat(self._fd).st_nlink == 0:
+                # Someone removed or replaced the lock file: processes locking a new file would not exclude us.
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                raise CacheFormatError(_lock_missing(os.path.join(self._directory, LOCK)))
+        except BaseException:
+            self._thread_lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
+
+    def close(self) -> None:
+        with self._thread_lock:
+            if self._pid == os.getpid() and self._fd >= 0:
+                os.close(self._fd)  # only our own descriptor: an inherited one belongs to the parent
+            self._fd, self._pid = -1, -1
+
+
+_LOCKS: weakref.WeakSet[WriterLock] = weakref.WeakSet()
+
+
+def _reset_locks_in_child() -> None:
+    for lock in list(_LOCKS):
+        lock._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_locks_in_child)
+
+
+def _lock_missing(path: str) -> str:
+    return (
+        f"{path} was removed or replaced while the cache is in use, so writers no longer exclude each other; "
+        "stop the processes using this cache, then remove it (`mmapcache rm --force`) and build it again"
+    )
+
+
+class SlotState:
+    """The mapped state files of one cache (see ``_format``): filled bits, stale bits and seqlock counters.
+
+    Safe across processes: readers are lock-free, writers go through ``publish``/``mark_stale``, which take the
+    writer lock. Attribute access to the memoryviews is the warm read path; keep it free of calls.
+    """
+
+    def __init__(self, directory: str, rows: int, writable: bool) -> None:
+        self.rows = rows
+        self.writable = writable
+        self.lock = WriterLock(directory)
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        nbits = bitmap_bytes(rows)
+        self._maps = [
+            map_exact(directory, name, size, access, writable)
+            for name, size in ((FILLED, nbits), (STALE, nbits), (SEQ, 4 * rows), (KEYS, 8 * rows),
+                               (CHANGES, 8 * CHANGES_WORDS))
+        ]
+        filled_map, stale_map, seq_map, keys_map, changes_map = self._maps
+        # memoryviews index ~3x faster than numpy scalars; numpy views serve the vectorised paths.
+        self.filled = memoryview(filled_map)
+        self.stale = memoryview(stale_map)
+        self.seq = memoryview(seq_map).cast("I")
+        self.filled_np = np.frombuffer(filled_map, np.uint8)
+        self.stale_np = np.frombuffer(stale_map, np.uint8)
+        self.seq_np = np.frombuffer(seq_map, "<u4")
+        self.keys = memoryview(keys_map).cast("q")
+        self.keys_np = np.frombuffer(keys_map, "<i8")
+        # changes.u64: [changes, complete] (see _format): the cache-wide seqlock of the warm path's fast check.
+        self.changes = memoryview(changes_map).cast("Q")
+
+    # --- reading (lock-free) -----------------------------------------------------------------------------------
+
+    def is_filled(self, row: int) -> bool:
+        return bool(self.filled[row >> 3] >> (row & 7) & 1) and not self.seq[row] & 1
+
+    def filled_rows(self, rows: np.ndarray, keys: np.ndarray | None = None) -> np.ndarray:
+        """Boolean mask of the given rows that hold a complete sample (filled bit set, counter even), and with
+        ``keys`` the sample of that key (where rows change meaning: a rotating share, the stream)."""
+        bits = (self.filled_np[rows >> 3] >> (rows & 7).astype(np.uint8)) & 1
+        filled = (bits == 1) & (self.seq_np[rows] & 1 == 0)
+        if keys is not None:
+            filled &= self.keys_np[rows] == keys
+        return filled
+
+    def stale_rows(self, rows: np.ndarray) -> np.ndarray:
+        return ((self.stale_np[rows >> 3] >> (rows & 7).astype(np.uint8)) & 1) == 1
+
+    def all_complete(self) -> int:
+        """The cache-wide counter if every row is complete (filled, even, not stale) and no writer is changing
+        rows, else -1. A reader that copies rows and then finds ``changes[0]`` still equal to it needs no per-row
+        check: nothing was written meanwhile (the fast path of ``RowReader.gather``)."""
+        changes = self.changes
+        counter = changes[0]
+        if counter & 1 or changes[1] != self.rows:
+            return -1
+        return counter
+
+    def complete_rows(self) -> int:
+        """Rows that are complete: filled bit set, counter even (no writer mid-write), not stale."""
+        odd = (self.seq_np & 1).astype(bool)
+        return int((self.filled_mask() & ~odd & ~self.stale_mask()).sum())
+
+    def _begin_change_locked(self) -> None:
+        """Marks the cache as being changed (``changes[0]`` odd). Caller holds the writer lock. An odd counter
+        found here is a writer that died mid-change: the count of complete rows is taken again from the bits."""
+        counter = self.changes[0]
+        if counter & 1:
+            self.changes[1] = self.complete_rows()
+        self.changes[0] = counter | 1
+
+    def _end_change_locked(self) -> None:
+        self.changes[0] = (self.changes[0] + 1) & 0xFFFFFFFFFFFFFFFF  # wraps (from a damaged odd 2**64 - 1)
+
+    def filled_mask(self) -> np.ndarray:
+        """Boolean array over all rows: filled bit set."""
+        return np.unpackbits(self.filled_np, bitorder="little", count=self.rows).astype(bool)
+
+    def stale_mask(self) -> np.ndarray:
+        return np.unpackbits(self.stale_np, bitorder="little", count=self.rows).astype(bool)
+
+    def count_filled(self) -> int:
+        return int(np.unpackbits(self.filled_np, bitorder="little", count=self.rows).sum())
+
+    def check_consistency(self, where: str) -> None:
+        """Detects damaged state files: bits past the end, or filled rows that were never written."""
+        extra = self.rows % 8
+        for name, bits in ((FILLED, self.filled_np), (STALE, self.stale_np)):
+            if extra and len(bits) and bits[-1] >> extra:
+                raise CacheFormatError(
+                    f"{where}/{name}: bits are set past row {self.rows}, the cache's size; the file is damaged: "
+                    f"remove the cache (`mmapcache rm --force {where}`) and build it again"
+                )
+        counter = self.changes[0]
+        filled = self.filled_mask()
+        never_written = filled & (self.seq_np == 0)
+        if never_written.any():
+            rows = np.flatnonzero(never_written)
+            raise CacheFormatError(
+                f"{where}/{FILLED}: {len(rows)} row(s) (first: {rows[0]}) are marked filled but were never written "
+                f"(their counter in {SEQ} is 0); the file is damaged: remove the cache (`mmapcache rm --force "
+                f"{where}`) and build it again"
+            )
+        # The count of complete rows lets a reader of a complete cache skip every per-row check: a count that is
+        # too high would serve empty rows. Exact whenever no writer is mid-change (an even counter, unchanged
+        # during the count); a writer that died mid-change left it odd, and the next writer counts again.
+        if not counter & 1:
+            complete = int((filled & (self.seq_np & 1 == 0) & ~self.stale_mask()).sum())
+            if self.changes[0] == counter and self.changes[1] != complete:
+                raise CacheFormatError(
+                    f"{where}/{CHANGES}: it counts {self.changes[1]} complete rows, but {complete} rows are filled, "
+                    f"not stale and not being written; the file is damaged: remove the cache (`mmapcache rm --force "
+                    f"{where}`) and build it again"
+                )
+
+    # --- writing (under the writer lock) -----------------------------------------------------------------------
+
+    def _require_writable(self) -> None:
+        if not self.writable:
+            raise CacheReadOnlyError(
+                "this process opened the cache read-only (no write permission on its files, or a read-only mount)"
+            )
+
+    def under_lock(self, change: Callable[[], T]) -> T:
+        """Runs ``change()`` under the writer lock and returns its result: for state kept beside these files and
+        changed under the same lock (the stream ring's counters, ``_stream``). Safe across processes and threads."""
+        self._require_writable()
+        with self.lock:
+            return change()
+
+    def publish(self, row: int, key: int, write: Callable[[bool], None],
+                wanted: Callable[[], bool] | None = None) -> bool:
+        """Stores row ``row`` (holding source index ``key``) by calling ``write(owned)`` under the lock, unless it is
+        already filled with ``key`` and not stale. ``owned`` says whether the row's previous bytes are intact
+        (its counter was even and it had been written): only then are its old heap extents its own to reuse or
+        free. ``write`` may raise ``NoRoom`` (a full heap) or ``CacheFormatError`` (a damaged heap) before writing
+        anything: the row is then left as it was, and the exception propagates (for ``NoRoom``, the caller serves
+        the sample uncached, and counts it). ``wanted``, if
+        given, is asked under the lock first: False leaves the row alone (a stream position its reader has
+        passed). Returns whether this call stored the row. Safe across processes and threads."""
+        self._require_writable()
+        with self.lock:
+            if wanted is not None and not wanted():
+                return False
+            self._begin_change_locked()
+            try:
+                return self._publish_locked(row, key, write)
+            finally:
+                self._end_change_locked()
+
+    def publish_many(self, items: list[tuple[int, int, Callable[[bool], None]]]) -> int:
+        """``publish`` for several ``(row, key, write)`` under one acquisition of the lock (a batch's misses);
+        rows without heap room (``NoRoom``) are skipped. Returns how many this call stored. Safe across processes
+        and threads."""
+        self._require_writable()
+        stored = 0
+        with self.lock:
+            self._begin_change_locked()
+            try:
+                for row, key, write in items:
+                    with contextlib.suppress(NoRoom):
+                        stored += self._publish_locked(row, key, write)
+            finally:
+                self._end_change_locked()
+        return stored
+
+    def publish_rows(self, rows: np.ndarray, keys: np.ndarray, write: Callable[[np.ndarray], None]) -> int:
+        """``publish`` for many distinct rows at once, each step vectorised (a batch's misses): under one lock,
+        the rows still to store (not complete, or holding another key) get odd counters, ``write(positions)``
+        writes the rows ``rows[positions]`` (fixed-size fields only: nothing can run out of room), then keys,
+        even counters and bits are set for all of them. Returns how many were stored. Safe across processes and
+        threads."""
+        self._require_writable()
+        with self.lock:
+            self._begin_change_locked()
+            try:
+                bits = 1 << (rows & 7).astype(np.uint8)
+                byte = rows >> 3
+                seq = self.seq_np[rows]
+                complete = ((self.filled_np[byte] & bits) != 0) & (seq & 1 == 0) & ((self.stale_np[byte] & bits) == 0)
+                todo = np.flatnonzero(~complete | (self.keys_np[rows] != keys))
+                if not len(todo):
+                    return 0
+                rows, seq, bits, byte = rows[todo], seq[todo], bits[todo], byte[todo]
+                self.seq_np[rows] = seq | 1
+                write(todo)
+                self.keys_np[rows] = keys[todo]
+                even = (seq | 1) + np.uint32(1)
+                self.seq_np[rows] = np.where(even == 0, np.uint32(2), even)  # 0 means "never written"
+                np.bitwise_or.at(self.filled_np, byte, bits)
+                np.bitwise_and.at(self.stale_np, byte, ~bits)
+                self.changes[1] += int((~complete[todo]).sum())
+                return len(todo)
+            finally:
+                self._end_change_locked()
+
+    def _publish_locked(self, row: int, key: int, write: Callable[[bool], None]) -> bool:
+        """Caller holds the writer lock."""
+        byte, mask = row >> 3, 1 << (row & 7)
+        seq = self.seq[row]
+        filled = bool(self.filled[byte] & mask) and not seq & 1  # odd: a writer died mid-write
+        complete = filled and not self.stale[byte] & mask
+        if complete and self.keys[row] == key:
+            return False
+        self.seq[row] = (seq | 1) & 0xFFFFFFFF
+        try:
+            write(not seq & 1 and seq != 0)
+        except (NoRoom, CacheFormatError):
+            self.seq[row] = seq  # refused before anything was written: the row stays what it was
+            raise
+        self.keys[row] = key
+        self.seq[row] = ((seq | 1) + 1) & 0xFFFFFFFF or 2  # wraps past 0 to 2: 0 means "never written"
+        self.filled[byte] |= mask
+        self.stale[byte] &= ~mask & 0xFF
+        if not complete:  # (a row rewritten for another key was complete before, and still is)
+            self.changes[1] += 1
+        return True
+
+    def mark_stale(self, rows: np.ndarray) -> int:
+        """Marks the given rows stale (only those that are filled). Returns how many were newly marked."""
+        self._require_writable()
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        with self.lock:
+            self._begin_change_locked()
+            try:
+                filled = self.filled_mask()[rows]
+                stale = self.stale_mask()
+                targets = rows[filled & ~stale[rows]]
+                stale[targets] = True
+                self.stale_np[:] = np.packbits(stale, bitorder="little")
+                self.changes[1] = self.complete_rows()
+            finally:
+                self._end_change_locked()
+        return len(targets)
+
+    def close(self) -> None:
+        self.lock.close()
+        # Views must go before their maps can close; a map still exported elsewhere stays open until collected.
+        del self.filled, self.stale, self.seq, self.filled_np, self.stale_np, self.seq_np, self.keys, self.keys_np
+        del self.changes
+        for m in self._maps:
+            with contextlib.suppress(BufferError):
+                m.close()
+        self._maps = []
+
+
+def map_exact(directory: str, name: str, size: int, access: int, writable: bool) -> mmap.mmap:
+    """Maps a state file, checking it has exactly the expected size."""
+    path = os.path.join(directory, name)
+    try:
+        fd = open_file(directory, name, os.O_RDWR if writable else os.O_RDONLY)
+    except FileNotFoundError:
+        raise CacheFormatError(f"{path} is missing; the cache is damaged: remove it and build it again") from None
+    try:
+        found = os.fstat(fd).st_size
+        if found != size:
+            raise CacheFormatError(
+                f"{path} has {found} bytes, expected {size}; the file is truncated or damaged: remove the cache "
+                "(`mmapcache rm --force`) and build it again"
+            )
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, access=access) if size else mmap.mmap(-1, 1)
+    finally:
+        os.close(fd)
+
+
+class ChunkClaims:
+    """Build workers' claims on chunks of rows: POSIX byte-range locks on byte ``c`` of ``<cache>/lock``.
+
+    A claim is held by this process until released or until it dies (the kernel drops it), so concurrent builds
+    skip each other's chunks instead of computing the same samples. POSIX locks belong to the process: closing
+    *any* descriptor of the lock file drops them all, so this class keeps its own descriptor open until ``close``.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+        self._fd = -1
+
+    def try_claim(self, chunk: int) -> bool:
+        if self._fd < 0:
+            self._fd = open_file(self._directory, LOCK, os.O_RDWR)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, chunk)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EAGAIN):
+                return False
+            raise
+        return True
+
+    def release(self, chunk: int) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, chunk)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

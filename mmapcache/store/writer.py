@@ -1,0 +1,146 @@
+"""The one writer of a row's bytes: a checked sample's values into a row (fixed fields with ``pwrite``, ragged ones into
+extents of their heaps), or a batch's rows at once. Every method runs under the cache's writer lock, inside the
+row's seqlock window (``_filled.SlotState.publish``): it never takes the lock, and it writes nothing it was not
+asked to (damage found in a heap's counters or a row's extent is refused before the first byte).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ..errors import UncachedFieldWarning, warn
+from ..format.fields import Field
+from .heap import UNCACHED, Heap, budget_left
+from .state import NoRoom
+from .store import Store
+
+__all__ = ["RowWriter"]
+
+# Rows smaller than this are stored through the map (see RowWriter.write_rows), larger ones with pwrite.
+_PAGE_BYTES = 4096
+
+
+class RowWriter:
+    """Writes rows of one open, writable store (see the module docstring). One per process and open cache.
+
+    Args:
+        store: the open store.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.fields = store.layout.fields
+        self.data = store.data
+        self.shapes = store.shapes
+        self.ragged = [n for n, f in enumerate(self.fields) if f.ragged]
+        self._row_bytes = [f.nbytes for f in self.fields]
+        self._warned: set[str] = set()
+
+    def write(self, row: int, values: list[Any], owned: bool) -> None:
+        """Copies a checked sample's values into ``row``. The caller holds the writer lock (``publish``), which
+        says whether the row's previous heap extents are ``owned`` (intact, so reusable or freed).
+
+        Arrays go through ``pwrite`` (the kernel copies into the shared pages; no page faults in this process),
+        scalars through the map. Ragged values get their heap room first: with none for one of them, ``NoRoom`` is
+        raised before anything is written (the sample is then served uncached), and so is ``CacheFormatError`` for
+        a heap whose counters or this row's extent are damaged.
+        """
+        if self.ragged:
+            self._write_ragged(row, values, owned)
+        for data, shapes, fd, offset, row_bytes, value in zip(
+            self.data, self.shapes, self.store.data_fds, self.store.data_offsets, self._row_bytes, values
+        ):
+            if data is None:
+                continue  # ragged: written above
+            if shapes is not None:
+                shapes[row] = value.shape
+            if fd < 0 or data.ndim == 1:
+                data[row] = value
+            else:
+                _pwrite_all(fd, np.ascontiguousarray(value), offset + row * row_bytes)
+
+    def write_rows(self, rows: np.ndarray, columns: list[np.ndarray], positions: np.ndarray) -> None:
+        """Copies batch positions ``positions`` of gathered ``columns`` into cache rows ``rows[positions]``, a field
+        at a time (``fixed`` layouts). The caller holds the writer lock (``SlotState.publish_rows``).
+
+        Small rows are stored through the map in one vectorised assignment per field (one system call per row
+        would cost more than the copy); rows of a page or more through ``pwrite`` each (no page faults here).
+        """
+        targets = rows[positions]
+        for data, fd, offset, row_bytes, column in zip(
+                self.data, self.store.data_fds, self.store.data_offsets, self._row_bytes, columns):
+            if fd < 0 or data.ndim == 1 or row_bytes < _PAGE_BYTES:
+                data[targets] = column[positions]
+                continue
+            for row, k in zip(targets.tolist(), positions.tolist()):
+                _pwrite_all(fd, column[k], offset + row * row_bytes)
+
+    def _write_ragged(self, row: int, values: list[Any], owned: bool) -> None:
+        """Finds room for every ragged value of the row (all or nothing), writes them and their index rows, then
+        frees what the row no longer uses (see ``_heap``)."""
+        store = self.store
+        plan: list[tuple[int, Heap, int, int, np.ndarray, tuple[int, int]]] = []
+        taken: list[tuple[Heap, int, int]] = []  # room allocated so far, given back if a later field has none
+        try:
+            for n in self.ragged:
+                value = np.ascontiguousarray(values[n])
+                index, heap = store.index[n], store.heaps[n]
+                assert index is not None and heap is not None  # a ragged field has both (see Store)
+                # Damage (counters, or an index row, that describe bytes outside the heap) is refused here, before
+                # anything is written: a write past what posix_fallocate reserved would be a sparse page.
+                heap.check_counters()
+                old_offset, old_capacity = (int(index[row, 0]), int(index[row, 1])) if owned else (0, 0)
+                if owned:
+                    heap.check_extent(old_offset, old_capacity, value.itemsize, row)
+                if owned and value.nbytes <= old_capacity:
+                    # In place, keeping the row's room; but a value that uses under half of it moves to a free
+                    # extent that fits, if there is one, so large extents circulate to the rows that grow.
+                    smaller = heap.reuse(value.nbytes, value.itemsize) if 2 * value.nbytes < old_capacity else None
+                    if smaller is None:
+                        plan.append((n, heap, old_offset, old_capacity, value, (0, 0)))
+                        continue
+                    taken.append((heap, *smaller))
+                    plan.append((n, heap, *smaller, value, (old_offset, old_capacity)))
+                    continue
+                room = heap.allocate(value.nbytes, value.itemsize,
+                                     budget_left(store.heap_counters, store.heap_budget), exact=old_capacity == 0)
+                if room is None:
+                    heap.counters[UNCACHED] += 1
+                    self._warn_uncached(self.fields[n])
+                    raise NoRoom
+                taken.append((heap, *room))
+                plan.append((n, heap, *room, value, (old_offset, old_capacity)))
+        except BaseException:
+            for taken_heap, taken_offset, taken_capacity in taken:
+                taken_heap.free(taken_offset, taken_capacity)
+            raise
+        for n, heap, offset, capacity, value, _ in plan:
+            heap.write(offset, value)
+            store.index[n][row] = (offset, capacity, *value.shape)  # type: ignore[index]
+        for _, heap, _, _, _, (unused_offset, unused_capacity) in plan:
+            heap.free(unused_offset, unused_capacity)
+
+    def _warn_uncached(self, field: Field) -> None:
+        if field.name in self._warned:
+            return
+        self._warned.add(field.name)
+        budget = self.store.heap_budget
+        why = f"the cache's heap budget ({budget} bytes, from max_bytes)" if budget is not None else \
+            "the file system"
+        warn(
+            f"the cache at {self.store.path} has no room left in {why} for field {field.name!r}: further samples "
+            "that need room pass through uncached (computed from the source on every access; `mmapcache inspect` "
+            "counts them). Give the cache a larger max_bytes, or free space", UncachedFieldWarning,
+        )
+
+
+
+def _pwrite_all(fd: int, value: np.ndarray, offset: int) -> None:
+    # Flattened first: memoryview refuses to cast a multi-dimensional view with a zero in its shape (0x3 field).
+    view = value.reshape(-1).data.cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
