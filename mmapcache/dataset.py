@@ -484,7 +484,7 @@ class MmapCachedDataset(Dataset):
 
     @property
     def stream_stats(self) -> dict[str, Any]:
-        """A stream's counters (``_stream``): values ``produced``, ``served`` from the ring, ``computed`` by readers
+        """A stream's counters (``store.ring``): values ``produced``, ``served`` from the ring, ``computed`` by readers
         (the producer was behind), ``waited`` seconds, ``skipped`` (produced too late), positions ``ahead`` (ready
         in the ring past the slowest reader), and the ``producers`` running. Safe across processes."""
         ring = self._stream_ring()
@@ -510,7 +510,7 @@ class MmapCachedDataset(Dataset):
         return self._ring
 
     def stream_reads(self) -> StreamReads:
-        """The reading side of this stream in this process (``_streaming.StreamReads``), for ``ds.loader``."""
+        """The reading side of this stream in this process (``read.stream.StreamReads``), for ``ds.loader``."""
         self._stream_ring()
         assert self._streams is not None  # made with the ring
         return self._streams

@@ -1,6 +1,7 @@
 """What ``mmapcache inspect`` and ``mmapcache ls`` show: a cache's description, its fill map, cache listings.
 
-Numpy only (``_store``, ``_format``, ``_filled``, ``_layout``): inspecting a cache never imports torch.
+Numpy only (``store.store``, ``format.spec``, ``store.state``, ``format.layout``): inspecting a cache never imports
+torch.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _stream_report(store: Store) -> dict[str, Any]:
-    """A stream's ring (``_stream``): its seed and size, the counters, what is ready ahead, the producers."""
+    """A stream's ring (``store.ring``): its seed and size, the counters, what is ready ahead, the producers."""
     ring = Ring(store)
     try:
         stats: dict[str, Any] = ring.stats()
@@ -143,7 +144,7 @@ def _stream_report(store: Store) -> dict[str, Any]:
 
 
 def _heap_report(counters: np.ndarray) -> dict[str, Any]:
-    """A ragged field's heap counters (see ``_heap``): bytes used (values and their rows' slack), free for reuse,
+    """A ragged field's heap counters (see ``store.heap``): bytes used (values and their rows' slack), free for reuse,
     abandoned, reserved on the file system, and samples passed through uncached for lack of room."""
     end, capacity, abandoned, uncached, free = (int(x) for x in counters[:5])
     used = end - free - abandoned

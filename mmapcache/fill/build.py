@@ -1,9 +1,9 @@
 """Parallel fill of a cache: ``build()``, shared by ``mmapcache build`` and by code.
 
-The cache is opened (or created) through ``_open``, the protocol the dataset uses too, so a cache of another source
-or layout is refused before any worker starts; the build is a registered user of the cache while it runs.
-Workers (``_fill``) claim chunks of rows and fill them; the driver (``_driver``) runs them, keeps the report and
-finds a sample that kills its worker.
+The cache is opened (or created) through ``fill.open``, the protocol the dataset uses too, so a cache of another
+source or layout is refused before any worker starts; the build is a registered user of the cache while it runs.
+Workers (``fill.workers``) claim chunks of rows and fill them; the driver (``fill.driver``) runs them, keeps the report
+and finds a sample that kills its worker.
 
 ``shard=(i, n)`` keeps the chunks ``c`` with ``c % n == i``: ``n`` disjoint parts that together cover every row,
 each spread over the whole index range (so a partly filled cache still splits evenly). Under ``torchrun``

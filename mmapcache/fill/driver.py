@@ -1,5 +1,5 @@
 """Driving a build from the calling process: rounds of DataLoader workers over the chunks that have work, the
-report, progress, and what happens when a worker dies (see ``_fill`` for the workers' side).
+report, progress, and what happens when a worker dies (see ``fill.workers`` for the workers' side).
 
 Concurrent builds on one cache skip each other's chunks (claims); chunks found claimed are revisited at the end,
 waiting for their holder, so a build returns only when its part is complete. A sample that kills its worker is

@@ -13,7 +13,7 @@ creates one. The checks, cheapest first:
    several variants (a random source by design), are checked for layout only; a fingerprinted cache then needs
    the fingerprint.
 
-Creation happens under the parent directory's lock (``_create.parent_lock``): the first opener computes the
+Creation happens under the parent directory's lock (``store.create.parent_lock``): the first opener computes the
 first sample there, stores it in the cache under its temporary name, and renames the cache into place; openers
 racing it wait for the lock and then find the cache, so only one process computes that sample.
 

@@ -1,6 +1,6 @@
 """Child processes that die with the process that started them.
 
-A producer (``_producer``) or a build worker runs until told to stop. If the process that started it dies without
+A producer (``fill.producer``) or a build worker runs until told to stop. If the process that started it dies without
 telling it (SIGKILL, the OOM killer, a scheduler killing the job), nothing else would: it would go on computing
 samples for nobody, holding the cache's ``users`` lock so that ``mmapcache rm`` refuses to remove the cache. So each
 such child watches its parent from a thread and exits as soon as the parent is gone (the kernel hands an orphan to

@@ -98,7 +98,7 @@ def _run(path: str, make_source: Callable[[], Any], stop: Any, parent: int) -> N
 class Producer:
     """Producer processes started for one stream (``Producer.start``). Stop them with ``stop()`` or by leaving a
     ``with`` block; they also stop when the cache is removed. They never outlive this process: daemons stopped when
-    it exits, and each watches it and exits when it is killed (``_parent``)."""
+    it exits, and each watches it and exits when it is killed (``fill.parent``)."""
 
     def __init__(self, path: str, make_source: Callable[[], Any], workers: int, context: Any) -> None:
         self.path, self._make_source, self._context = path, make_source, context

@@ -2,8 +2,8 @@
 
 Work is split into *chunks* of ``chunk_rows(rows)`` consecutive rows. A worker claims a chunk (a POSIX byte-range
 lock on byte ``chunk`` of the cache's ``lock`` file, dropped by the kernel if the worker dies), fills the chunk's
-rows that are unfilled or stale, and releases it. A *task* is a chunk, or one row of a chunk (how ``_build``
-finds a sample that kills its worker: see ``_build._Driver._isolate``).
+rows that are unfilled or stale, and releases it. A *task* is a chunk, or one row of a chunk (how ``fill.build``
+finds a sample that kills its worker: see ``fill.build._Driver._isolate``).
 
 The workers are PyTorch DataLoader workers iterating a ``Filler``, a small dataset whose items are tasks: each
 builds its own copy of the source from a ``DatasetSpec`` and writes straight into the shared cache, returning only

@@ -1,6 +1,6 @@
 """The fast checks on the publish path: a source's sample, or a batch of them, to the values to store.
 
-``Layout.check`` (in ``_layout``) is the reference: it accepts every form a leaf may take and explains every
+``Layout.check`` (in ``format.layout``) is the reference: it accepts every form a leaf may take and explains every
 refusal. The functions here are compiled once per cache from its layout and accept only the usual forms (exact
 types, the stored dtype and shape), much faster; on anything else they defer to ``Layout.check``, so that they never
 accept what it would refuse and never explain anything themselves.

@@ -1,7 +1,7 @@
 """The codec of a layout: functions compiled once per cache that turn stored values back into samples and
-batches (the other direction, a source's sample to the values to store, is ``_check``).
+batches (the other direction, a source's sample to the values to store, is ``format.check``).
 
-``_layout`` says what a sample's fields are; this module says how to convert between them and what the source
+``format.layout`` says what a sample's fields are; this module says how to convert between them and what the source
 returned, as fast as Python allows (closures over the known structure, exact type tests, no per-call lookups).
 Torch is imported only when a tensor field needs it.
 """
@@ -229,7 +229,7 @@ def subclass_wrapper(layout: Layout) -> Callable[[list[Any]], list[Any]] | None:
 
 
 def decode_metadata(text: bytes, name: str) -> dict[str, Any]:
-    """The attributes ``encode_metadata`` wrote (see ``_format`` for the tags)."""
+    """The attributes ``encode_metadata`` wrote (see ``format.spec`` for the tags)."""
     def decode(value: Any) -> Any:
         if type(value) is list:
             return [decode(v) for v in value]

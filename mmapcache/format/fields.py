@@ -4,7 +4,7 @@ Each leaf of a sample (a tensor, a tensor subclass, a numpy array or scalar, a P
 or a Python list of numbers) becomes one *field*: its kind (how a stored value is turned back into what the source
 returned), its storage dtype and its shape. A tensor subclass's instance attributes travel as JSON in a metadata
 field of their own (``encode_metadata``); its class is looked up by name among imported modules only
-(``find_class``), never imported because a cache names it. ``_layout`` assembles the fields of a whole sample.
+(``find_class``), never imported because a cache names it. ``format.layout`` assembles the fields of a whole sample.
 
 Numpy only; torch is imported when a torch tensor is met.
 """
@@ -40,7 +40,7 @@ TEXT_ERRORS = "surrogatepass"
 MAX_FIELDS = 256
 
 # Containers may nest this deep (the outermost container is level 1). Far more than real samples use, and far
-# less than Python's recursion limit, so every walker here and in ``_codec`` stays a plain recursion.
+# less than Python's recursion limit, so every walker here and in ``format.codec`` stays a plain recursion.
 MAX_DEPTH = 64
 # Arrays (and nested lists of numbers) may have at most this many dimensions (numpy arrays have at most 64, and a
 # cache adds one for its rows).
@@ -68,7 +68,7 @@ class Field:
             field, ``-1`` in each dimension that varies.
         torch_dtype: the torch dtype name for tensors (``"bfloat16"``), else None.
         variable: True if each sample's actual shape is stored beside the data (declared via ``max_shapes``).
-        ragged: True if the values are packed in a heap with a per-row offset and shape (see ``_heap``).
+        ragged: True if the values are packed in a heap with a per-row offset and shape (see ``store.heap``).
         tensor_class: ``(module, qualname)`` of a ``torch.Tensor`` subclass the value is rebuilt as, else None.
         metadata: the number of the field holding a tensor subclass's per-sample attributes, else None.
     """
@@ -246,7 +246,7 @@ def find_class(module: str, qualname: str) -> Any:
 
 
 def encode_metadata(attrs: dict[str, Any], path: str, cls: type) -> np.ndarray:
-    """A tensor subclass's instance attributes as compact JSON bytes (see ``_format`` for the tags)."""
+    """A tensor subclass's instance attributes as compact JSON bytes (see ``format.spec`` for the tags)."""
     def encode(value: Any, attr: str) -> Any:
         if value is None or type(value) in (bool, int, float, str):
             return value

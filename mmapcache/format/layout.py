@@ -8,7 +8,7 @@ with ``.`` (``"image"``, ``"0"``, ``"meta.2"``). The container tree (the *struct
 kind, dtype, shape) are the layout, stored in ``meta.json``.
 
 A field is *ragged* when its shape varies between samples (in any dimension; the number of dimensions is fixed):
-its varying dimensions are ``-1`` in ``shape`` and its values live in a heap (``_heap``). ``str`` and ``bytes``
+its varying dimensions are ``-1`` in ``shape`` and its values live in a heap (``store.heap``). ``str`` and ``bytes``
 fields are always ragged. A tensor subclass's per-sample attributes (``format``, ``canvas_size``) are a *metadata
 field* of its own, kind ``json``, appended after the structure's fields and named ``<path>#meta``.
 
@@ -419,7 +419,7 @@ def fold(
 ) -> T:
     """Folds a structure tree bottom-up: each node becomes what its kind's callback makes of its children's results.
 
-    The tree is the one in ``meta.json`` (see ``_format``): ``{"leaf": n}``, ``{"tuple": [...]}``,
+    The tree is the one in ``meta.json`` (see ``format.spec``): ``{"leaf": n}``, ``{"tuple": [...]}``,
     ``{"list": [...]}``, ``{"dict": [[key, node], ...]}`` and ``{"namedtuple": [module, qualname, names],
     "items": [...]}``. Each container callback also receives its child nodes, so a builder can take a fast path
     for, say, a tuple of bare leaves.

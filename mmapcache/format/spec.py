@@ -7,7 +7,7 @@ A cache is a directory. Every file in it is created before the directory is rena
 reader never sees a partial cache: it is built as ``<parent>/.mmapcache-new-PID-HEX/cache`` (a scratch directory
 whose first file is the marker ``MMAPCACHE-SCRATCH``), and removed by renaming it to
 ``<parent>/.mmapcache-old-PID-HEX/cache`` first; only such marked scratch directories of dead processes are ever
-swept. Every file of a cache is a regular file with one link (opened with ``O_NOFOLLOW``; see ``_files``).
+swept. Every file of a cache is a regular file with one link (opened with ``O_NOFOLLOW``; see ``store.files``).
 Every file but the heaps has a fixed size from creation; heaps grow (see below); nothing is ever truncated.
 
 Terms: ``N`` = ``length`` (samples in the source); ``S`` = ``slots`` (samples that can be cached, ``S <= N``);
@@ -73,7 +73,7 @@ Ragged fields (``ragged`` true: ``str``, ``bytes``, json, 1-D lists of numbers, 
   two from 16 bytes). A free extent's first 16 bytes are two little-endian uint64: 1 + the offset of the next
   extent on its list (0: the last), and its own size. Changed only under the writer lock.
 
-How writers use the heap (``_heap`` has the details): a row's first value gets an extent of exactly its size at
+How writers use the heap (``store.heap`` has the details): a row's first value gets an extent of exactly its size at
 ``end``; a rewrite stays in place when it fits the row's extent and uses at least half of it, else moves to an
 extent from the free lists or at ``end`` (sized to its class), and frees the old one. ``end`` grows the file
 first by ``max(16 KiB, capacity / 16)`` (within ``heap_budget``, and past what the value needs by at most half

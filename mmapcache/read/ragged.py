@@ -1,6 +1,6 @@
-"""Reading ragged fields out of their heaps (``_heap``): one value at a time, or a batch in one vectorised step.
+"""Reading ragged fields out of their heaps (``store.heap``): one value at a time, or a batch in one vectorised step.
 
-A ragged field's row holds ``[offset, extent_bytes, *shape]`` in ``<field>.index.npy`` (see ``_format``); its value
+A ragged field's row holds ``[offset, extent_bytes, *shape]`` in ``<field>.index.npy`` (see ``format.spec``); its value
 is the first ``prod(shape) * itemsize`` bytes of the extent. A reader copies it under the row's seqlock (the caller,
 ``RowReader``, owns the loop): an index row being rewritten can describe bytes that are not a value yet, so every
 reader here checks the extent lies inside the heap (``_Torn`` otherwise, and the caller retries). A batch is gathered

@@ -3,7 +3,7 @@ one writer of a row's bytes.
 
 Everything a read needs is precomputed here once per process (numpy views, converters, the sample builder), so a
 hit costs no memmap construction, lock, file system call or JSON: a few memoryview loads, one copy per field,
-and the rebuild of the sample's containers. Ragged fields are read from their heaps (``_heap``): one value at a
+and the rebuild of the sample's containers. Ragged fields are read from their heaps (``store.heap``): one value at a
 time for ``ds[i]``, and for a batch one gather of the index rows and one vectorised copy of the values
 (``RaggedColumn``).
 """
@@ -200,8 +200,8 @@ class RowReader:
         """Copies the given rows (fixed-shape fields only) into fresh per-field batch arrays, in order.
 
         ``alloc`` makes each array; for ``numpy.empty`` (the default) an earlier batch's array that nothing
-        references any more is recycled instead (``_gather.BufferPool``: no page faults on fresh memory). Large
-        copies are split over threads (``_gather.take``).
+        references any more is recycled instead (``read.gather.BufferPool``: no page faults on fresh memory). Large
+        copies are split over threads (``read.gather.take``).
 
         Returns the arrays and the positions that could not be read (not cacheable, not filled, stale under
         ``recompute``, holding another key than ``keys`` says when given, or rewritten during the copy); the

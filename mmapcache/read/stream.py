@@ -4,7 +4,7 @@ computed where not (or waited for), and the loader that hands them to a training
 ``StreamReads`` is one process's reading side of an open stream (made by the dataset when it opens one): where a
 rank starts (its cursor, so a restarted reader resumes), the batch of positions ``k0 .. k1-1``, and the cursor's
 moves. ``StreamLoader`` is what ``ds.loader()`` returns for a stream. The ring itself (order, cursors, claims,
-counters) is ``_stream``; the producers are ``_producer``.
+counters) is ``store.ring``; the producers are ``fill.producer``.
 """
 
 from __future__ import annotations
@@ -195,7 +195,8 @@ def _timeout_message(ring: Ring, q: int, index: int, timeout: float) -> str:
 class StreamLoader:
     """``ds.loader()`` over a stream: each iteration yields this rank's next epoch of the stream's order (or the
     rest of the epoch it was reading), in batches, and moves the rank's cursor past each batch as the training loop
-    receives it. The batches are read by an inner DataLoader (its workers, if any); see ``_stream`` and ``StreamReads``.
+    receives it. The batches are read by an inner DataLoader (its workers, if any); see ``store.ring`` and
+    ``StreamReads``.
 
     Takes DataLoader's arguments except those that choose the order (``shuffle``, ``sampler``, ``batch_sampler``,
     ``generator``: the stream's seeded order is fixed), plus ``rank``/``world_size`` (default: the local rank and

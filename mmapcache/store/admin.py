@@ -130,7 +130,7 @@ def delete(path: str) -> None:
 
 def sweep(parent: str) -> list[str]:
     """Removes what dead processes left in ``parent``: scratch directories of interrupted creations and removals
-    (only those proven ours: see ``_create.SCRATCH``), and ``delete_on_close`` caches that no process uses any
+    (only those proven ours: see ``store.create.SCRATCH``), and ``delete_on_close`` caches that no process uses any
     more. Nothing else is ever touched. Caller holds the parent lock."""
     removed: list[str] = []
     try:

@@ -1,5 +1,5 @@
 """Opening the files inside a cache: never through a symbolic link, and only the cache's own regular files; and
-reading and writing its ``meta.json`` (whose content ``_format`` defines).
+reading and writing its ``meta.json`` (whose content ``format.spec`` defines).
 
 Whoever can write a cache's directory can replace a file in it with a symbolic link (or a hard link) to a file
 elsewhere; a writer following it would overwrite that file. Every file of a cache is therefore opened here:
@@ -87,7 +87,7 @@ def write_meta(directory: str, meta: dict[str, Any]) -> None:
 
 
 def read_meta(directory: str) -> dict[str, Any]:
-    """Reads ``meta.json`` (safely: ``open_file``) and validates it (``_format.parse_meta``).
+    """Reads ``meta.json`` (safely: ``open_file``) and validates it (``format.spec.parse_meta``).
 
     Raises:
         CacheFormatError: not a cache, unknown magic or version, or a malformed file; the message names the

@@ -1,11 +1,11 @@
 """Heaps: where ragged fields' values live, packed back to back, and how a writer finds room for one.
 
 One heap per ragged field (``<field>.heap``), its per-row ``[offset, capacity, *shape]`` in ``<field>.index.npy``
-and a block of ``BLOCK`` counters in ``heaps.u64`` (see ``_format``). Readers map a heap at its size and map it
+and a block of ``BLOCK`` counters in ``heaps.u64`` (see ``format.spec``). Readers map a heap at its size and map it
 again when they meet a value past their mapping; a heap never shrinks, so an old mapping stays valid for
 everything it covers.
 
-Writers allocate under the cache's writer lock (``_filled``), inside the row's seqlock window, so a reader of a
+Writers allocate under the cache's writer lock (``store.state``), inside the row's seqlock window, so a reader of a
 row being rewritten retries whatever the allocator does with the bytes it was copying:
 
 - Each row owns an extent of ``capacity`` bytes (the second word of its index row), at least its value's

@@ -1,6 +1,6 @@
 """Stream mode: a ring of rows holding the next positions of each epoch's order, each value served at most once.
 
-A stream cache (``mode: "stream"``, see ``_format``) keeps no sample for good. Epoch ``e``'s order is the seeded
+A stream cache (``mode: "stream"``, see ``format.spec``) keeps no sample for good. Epoch ``e``'s order is the seeded
 permutation ``order(e)`` of the ``N`` indices, the same in every process; its position ``p`` is the global sequence
 number ``q = e * N + p``, stored (when a producer has computed it) in row ``q % S`` with key ``q``. Rank ``r`` of
 the ``W`` consumer ranks of a node reads positions ``r, r + W, ...`` of every epoch, as ``DistributedSampler``
@@ -42,7 +42,7 @@ _PROGRESS_BITS = 32  # progress word: epoch << 32 | (k + 1); 0 = the rank never 
 
 
 def epoch_order(seed: int, epoch: int, length: int) -> np.ndarray:
-    """Epoch ``epoch``'s order: the permutation every process computes alike (see ``_format``)."""
+    """Epoch ``epoch``'s order: the permutation every process computes alike (see ``format.spec``)."""
     return np.random.default_rng([seed, epoch]).permutation(length).astype(np.int64)
 
 
@@ -50,7 +50,7 @@ class Ring:
     """One process's view of a stream cache's ring: the order, the cursors and counters, producer claims.
 
     Args:
-        store: the open stream cache (``_store.Store`` of mode ``"stream"``).
+        store: the open stream cache (``store.store.Store`` of mode ``"stream"``).
     """
 
     def __init__(self, store: Any) -> None:

@@ -1,9 +1,9 @@
 """Which row holds which sample: source index -> slot -> row, and the per-epoch choice of variant.
 
 A cache of ``N`` samples has ``S <= N`` slots (the cacheable samples) of ``K`` variants each, ``R = S * K`` rows
-(see ``_format``). Sample ``i`` lives in slot ``s = i`` when the slots are a prefix (no ``slot_index``) and ``i <
+(see ``format.spec``). Sample ``i`` lives in slot ``s = i`` when the slots are a prefix (no ``slot_index``) and ``i <
 S``, else in the slot ``s`` with ``slot_index[s] == i``; its variant ``v`` is row ``s * K + v``. (A node share that
-rotates holds generation ``g``'s share in its slots in epoch ``e``, ``g = e // rotate_every``: see ``_share``.)
+rotates holds generation ``g``'s share in its slots in epoch ``e``, ``g = e // rotate_every``: see ``store.share``.)
 Which variant an epoch reads is ``epoch % K`` (``variant_choice="epoch"``) or a seeded hash of ``(seed, epoch, i)``
 (``"random"``). Every module that maps between indices and rows asks a ``RowMap``; none re-derives it.
 """
@@ -50,7 +50,7 @@ class RowMap:
         slot_index: the source index in each slot, or None when the slots are the prefix ``0 .. S-1``.
         variant_choice: ``"epoch"`` or ``"random"`` (see the module docstring).
         seed: the seed of ``"random"``.
-        share: the node share a cache holds (``_share``). A share that rotates maps indices to slots per
+        share: the node share a cache holds (``store.share``). A share that rotates maps indices to slots per
             generation of epochs (``keyed``: a reader must then check a row's key, since a row filled under
             another generation holds another index).
     """
@@ -71,8 +71,8 @@ class RowMap:
 
     @classmethod
     def of(cls, store: object, *, variant_choice: str = "epoch", seed: int = 0) -> RowMap:
-        """The mapping of an open ``_store.Store``. A stream's rows hold positions of its order, not indices
-        (``_stream``): no index maps to a row."""
+        """The mapping of an open ``store.store.Store``. A stream's rows hold positions of its order, not indices
+        (``store.ring``): no index maps to a row."""
         if store.meta["mode"] == "stream":  # type: ignore[attr-defined]
             return cls(store.length, 0, 1, None)  # type: ignore[attr-defined]
         share = store.meta["share"]  # type: ignore[attr-defined]

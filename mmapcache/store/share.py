@@ -3,7 +3,7 @@ its node that share a cache (``local_rank_and_size``), which node it is on, and 
 node of a multi-node job caches.
 
 A dataset larger than one node's memory is partitioned: every node caches only its *share*, the ``node``-th of
-``nodes`` near-equal parts of a seeded permutation of the indices (``_format`` defines it byte for byte), so the
+``nodes`` near-equal parts of a seeded permutation of the indices (``format.spec`` defines it byte for byte), so the
 nodes together hold one copy of the dataset instead of each holding the same first part. The partition is a
 function of ``(length, nodes, seed, generation)`` alone: every node computes the same one without talking to the
 others. With ``rotate_every=E`` the partition is drawn again every ``E`` epochs (generation ``epoch // E``), so
@@ -93,7 +93,7 @@ def share_option(node_share: Any, rotate_every: Any, seed: int) -> Share | None:
 
 
 def share_of(length: int, nodes: int, node: int, seed: int, generation: int = 0) -> np.ndarray:
-    """Part ``node`` of the partition of ``0 .. length-1`` into ``nodes`` parts (see ``_format``), sorted."""
+    """Part ``node`` of the partition of ``0 .. length-1`` into ``nodes`` parts (see ``format.spec``), sorted."""
     order = np.random.default_rng([seed, generation]).permutation(length) if nodes > 1 else np.arange(length)
     part = order[node * length // nodes:(node + 1) * length // nodes]
     return np.sort(part).astype(np.int64)

@@ -1,6 +1,6 @@
 """Slot state: the filled and stale bitmaps, the per-row seqlock counters, and the writer lock.
 
-This is the only module that takes the lock or changes the state files (see ``_format`` for their layout).
+This is the only module that takes the lock or changes the state files (see ``format.spec`` for their layout).
 
 Publication protocol (a writer storing row ``r`` for source index ``key``), all under the writer lock:
   1. re-check: a filled, non-stale row with an even counter is left alone (someone else stored it);
@@ -125,7 +125,7 @@ def _lock_missing(path: str) -> str:
 
 
 class SlotState:
-    """The mapped state files of one cache (see ``_format``): filled bits, stale bits and seqlock counters.
+    """The mapped state files of one cache (see ``format.spec``): filled bits, stale bits and seqlock counters.
 
     Safe across processes: readers are lock-free, writers go through ``publish``/``mark_stale``, which take the
     writer lock. Attribute access to the memoryviews is the warm read path; keep it free of calls.
@@ -249,7 +249,7 @@ class SlotState:
 
     def under_lock(self, change: Callable[[], T]) -> T:
         """Runs ``change()`` under the writer lock and returns its result: for state kept beside these files and
-        changed under the same lock (the stream ring's counters, ``_stream``). Safe across processes and threads."""
+        changed under the same lock (the stream ring's counters, ``store.ring``). Safe across processes and threads."""
         self._require_writable()
         with self.lock:
             return change()

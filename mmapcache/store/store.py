@@ -1,8 +1,8 @@
 """Opening and mapping a cache directory, and registering this process as one of its users.
 
 A ``Store`` is one process's view of a cache: ``meta.json`` parsed and checked, every data file mapped (and its
-``.npy`` header checked against ``meta.json``), the slot state mapped. Creating a cache is ``_create``; removing
-one, listing its users and sweeping leftovers is ``_admin``.
+``.npy`` header checked against ``meta.json``), the slot state mapped. Creating a cache is ``store.create``; removing
+one, listing its users and sweeping leftovers is ``store.admin``.
 """
 
 from __future__ import annotations
@@ -321,7 +321,7 @@ def _release(maps: list[mmap.mmap], fds: list[int], heaps: list[Heap | None]) ->
 
 def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     """The ``.npy`` (format 1.0) header numpy writes for a C-order array of ``dtype`` and ``shape``, magic included:
-    what ``_create`` wrote, so an intact file's header compares equal byte for byte."""
+    what ``store.create`` wrote, so an intact file's header compares equal byte for byte."""
     out = io.BytesIO()
     np.lib.format.write_array_header_1_0(
         out, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})

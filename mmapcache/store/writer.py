@@ -1,6 +1,6 @@
 """The one writer of a row's bytes: a checked sample's values into a row (fixed fields with ``pwrite``, ragged ones into
 extents of their heaps), or a batch's rows at once. Every method runs under the cache's writer lock, inside the
-row's seqlock window (``_filled.SlotState.publish``): it never takes the lock, and it writes nothing it was not
+row's seqlock window (``store.state.SlotState.publish``): it never takes the lock, and it writes nothing it was not
 asked to (damage found in a heap's counters or a row's extent is refused before the first byte).
 """
 
@@ -80,7 +80,7 @@ class RowWriter:
 
     def _write_ragged(self, row: int, values: list[Any], owned: bool) -> None:
         """Finds room for every ragged value of the row (all or nothing), writes them and their index rows, then
-        frees what the row no longer uses (see ``_heap``)."""
+        frees what the row no longer uses (see ``store.heap``)."""
         store = self.store
         plan: list[tuple[int, Heap, int, int, np.ndarray, tuple[int, int]]] = []
         taken: list[tuple[Heap, int, int]] = []  # room allocated so far, given back if a later field has none
