@@ -284,7 +284,7 @@ def test_a_stream_read_from_a_refilling_source_serves_each_sample_its_own_value(
 
 
 def test_ranges_overlap_agrees_with_a_pairwise_check() -> None:
-    from mmapcache.format.check import ranges_overlap
+    from mmapcache.format.batch import ranges_overlap
 
     rng = np.random.default_rng(5)
     for _ in range(3000):

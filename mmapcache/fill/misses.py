@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CacheReadOnlyWarning, SampleNotCachedError, warn
-from ..format.check import FILLED, SHARED, UNWALKED, arrays_of, overlaps
+from ..format.batch import FILLED, SHARED, UNWALKED, arrays_of, overlaps
 from ..format.fields import Field
 from ..read.reader import RowReader
 from ..store.rows import RowMap

@@ -35,7 +35,7 @@ import numpy as np
 
 from .._version import __version__
 from ..errors import CacheMismatchError, CacheNotFoundError, InsufficientSpaceError, LayoutError
-from ..format.check import arrays_of, overlaps
+from ..format.batch import arrays_of, overlaps
 from ..format.codec import differing_field
 from ..format.layout import PYLIST, Layout, flatten
 from ..read.reader import RowReader

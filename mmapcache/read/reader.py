@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CacheFormatError
-from ..format.check import compile_batch_filler, compile_checker
+from ..format.batch import compile_batch_filler
+from ..format.check import compile_checker
 from ..format.codec import (
     batch_builder,
     batch_converter,

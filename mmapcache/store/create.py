@@ -25,6 +25,7 @@ import numpy as np
 from ..errors import CacheReadOnlyError, InsufficientSpaceError, MmapCacheError, UnsupportedFileSystemError
 from ..format import spec as fmt
 from ..format.layout import Layout
+from ..format.meta import make_meta
 from ..format.sizes import format_size
 from .files import write_meta
 from .heap import BLOCK as HEAP_BLOCK
@@ -130,7 +131,7 @@ def create(
     tmp = os.path.join(scratch, _SCRATCH_CACHE)
     try:
         os.mkdir(tmp, _DIR_MODE)
-        meta = fmt.make_meta(
+        meta = make_meta(
             layout, length=length, slots=slots, variants=variants, has_slot_index=slot_index is not None,
             fingerprint=fingerprint, delete_on_close=delete_on_close, library_version=library_version,
             heap_budget=heap_budget, share=share, stream=stream, deterministic=deterministic,

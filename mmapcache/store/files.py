@@ -17,7 +17,8 @@ import stat
 from typing import Any
 
 from ..errors import CacheFormatError
-from ..format.spec import META, parse_meta
+from ..format.meta import parse_meta
+from ..format.spec import META
 
 __all__ = ["open_file", "check_entry", "is_cache", "read_meta", "write_meta"]
 
@@ -87,7 +88,7 @@ def write_meta(directory: str, meta: dict[str, Any]) -> None:
 
 
 def read_meta(directory: str) -> dict[str, Any]:
-    """Reads ``meta.json`` (safely: ``open_file``) and validates it (``format.spec.parse_meta``).
+    """Reads ``meta.json`` (safely: ``open_file``) and validates it (``format.meta.parse_meta``).
 
     Raises:
         CacheFormatError: not a cache, unknown magic or version, or a malformed file; the message names the
