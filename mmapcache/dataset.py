@@ -18,8 +18,9 @@ from torch.utils.data import Dataset
 
 from .distributed import DEFAULT_PATIENCE
 from .errors import SampleNotCachedError, StreamBypassWarning, UsageError, warn
+from .fill.create import Request, Source
 from .fill.misses import Misses, checker, fetcher
-from .fill.open import Request, Source, identity, open_cache
+from .fill.open import identity, open_cache
 from .fill.options import (
     ON_MISS,
     STALE_MODES,

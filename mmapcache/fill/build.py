@@ -28,8 +28,9 @@ from ..store.paths import resolve_path
 from ..store.ring import Ring
 from ..store.share import Share, share_option
 from ..store.store import Store
+from .create import Request, Source
 from .driver import BuildReport, Driver, Failure
-from .open import Request, Source, open_cache
+from .open import open_cache
 from .options import CreateOptions
 from .producer import Producer
 from .specs import DatasetSpec

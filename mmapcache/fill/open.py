@@ -14,8 +14,9 @@ creates one. The checks, cheapest first:
    the fingerprint.
 
 Creation happens under the parent directory's lock (``store.create.parent_lock``): the first opener computes the
-first sample there, stores it in the cache under its temporary name, and renames the cache into place; openers
-racing it wait for the lock and then find the cache, so only one process computes that sample.
+first sample (and the layout probes) there, stores them in the cache under its temporary name, and renames the
+cache into place (``fill.create``); openers racing it wait for the lock and then find the cache, so only one process
+computes those samples.
 
 A process that reopens a cache it used before (a DataLoader worker, a reopen after ``close``) passes the
 ``identity`` it saw; a cache replaced meanwhile by one of another source is then refused, never served.
@@ -23,70 +24,25 @@ A process that reopens a cache it used before (a DataLoader worker, a reopen aft
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
 import hashlib
 import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .._version import __version__
-from ..errors import CacheMismatchError, CacheNotFoundError, InsufficientSpaceError, LayoutError
-from ..format.batch import arrays_of, overlaps
+from ..errors import CacheMismatchError, CacheNotFoundError, LayoutError
 from ..format.codec import differing_field
-from ..format.layout import PYLIST, Layout, flatten
 from ..read.reader import RowReader
 from ..store import admin as _admin
 from ..store import create as _create
-from ..store.create import plan_bytes
-from ..store.ring import Ring, epoch_order
 from ..store.rows import RowMap
 from ..store.share import Share
-from ..store.state import NoRoom
 from ..store.store import Store
-from ..store.writer import RowWriter
-from .options import CreateOptions
+from .create import Request, Source, create_locked
 
-__all__ = ["Source", "Request", "open_cache", "identity"]
+__all__ = ["open_cache", "identity"]
 
 _ATTEMPTS = 3  # a delete_on_close cache removed by its last user while we open it: create it anew, a few times
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """What opening needs of a source dataset.
-
-    Attributes:
-        length: ``len(source)``.
-        fetch: computes sample ``i`` (the source's exceptions propagate, annotated with the index).
-        check: ``(reader, sample, index) -> values`` flattens and checks a sample for storing; default
-            ``reader.check`` (the dataset adds its ``check_finite``).
-        deterministic: whether the source returns the same bytes for the same index every time (see above).
-    """
-
-    length: int
-    fetch: Callable[[int], Any]
-    check: Callable[[RowReader, Any, int], list[Any]] | None = None
-    deterministic: bool = True
-
-    def values(self, reader: RowReader, sample: Any, index: int) -> list[Any]:
-        return self.check(reader, sample, index) if self.check is not None else reader.check(sample, index)
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """What the opener asks for (see ``MmapCachedDataset`` for each option)."""
-
-    path: str
-    fingerprint: str | None = None
-    options: CreateOptions = dataclasses.field(default_factory=lambda: CreateOptions(None, None, None, None, None))
-    overwrite: bool = False
-    delete_on_close: bool = False
-    variant_choice: str = "epoch"
-    seed: int = 0
 
 
 def identity(store: Store) -> dict[str, Any]:
@@ -161,144 +117,10 @@ def _open_or_create(request: Request, source: Source | None) -> tuple[Store, boo
             if not request.overwrite:
                 raise CacheMismatchError(_mismatch_message(path, problem, just_created=True))
             _admin.delete(path)
-        _create_locked(request, source)
+        create_locked(request, source)
         store = Store(path)
         store.attach()
     return store, True
-
-
-def first_index(options: CreateOptions, length: int, seed: int = 0) -> int:
-    """The first cacheable index of a new cache (the sample its creator computes and stores): for a stream, the
-    first position of epoch 0's order."""
-    if options.stream:
-        return int(epoch_order(seed, 0, length)[0])
-    if options.share is not None:
-        return int(options.share.indices(length)[0])
-    return int(options.cache_indices[0]) if options.cache_indices is not None else 0
-
-
-# With ragged="auto", the samples a creator computes to learn which fields are ragged (their shapes differ), and
-# with max_bytes to estimate the ragged values' size: the first and this many more, spread over the cacheable
-# indices. They are stored, so none is computed twice.
-_PROBES = 8
-
-
-def _create_locked(request: Request, source: Source) -> None:
-    """Computes the first sample (and a few probes), learns the layout from them, and creates the cache with
-    them stored in it. Caller holds the lock."""
-    options = request.options
-    index = first_index(options, source.length, request.seed)
-    sample = source.fetch(index)
-    try:
-        layout = Layout.from_samples([sample], options.max_shapes, options.declared_ragged)
-    except LayoutError as exc:
-        raise LayoutError(f"sample {index}: {exc}") from None
-    samples = [(index, sample)]
-    auto = options.ragged == "auto" and (any(f.shape and not f.ragged and not f.variable for f in layout.fields)
-                                         or _has_empty_list(sample))
-    # With max_bytes, ragged values' sizes decide how many samples fit: estimate them from more than one sample.
-    if auto or (options.max_bytes is not None and layout.ragged and not options.stream):
-        slots, slot_index, _ = options.plan(layout, source.length)
-        if options.stream:  # the next positions of epoch 0's order: stored in the ring as they will be read
-            probes = epoch_order(request.seed, 0, source.length)[1:min(_PROBES, slots - 1) + 1]
-        else:  # spread over the cacheable indices
-            cacheable = np.arange(slots) if slot_index is None else slot_index
-            probes = cacheable[np.linspace(0, len(cacheable) - 1, _PROBES).astype(np.int64)]
-        for i in dict.fromkeys(probes.tolist()):
-            if i != index:
-                # A probe the source fails on is left out: it fails again, with its index, when it is read.
-                with contextlib.suppress(Exception):
-                    samples.append((int(i), source.fetch(int(i))))
-    # A source that refills one buffer for every sample (whole, or at shifting offsets) has overwritten the earlier
-    # samples' values by now (their shapes, all the layout needs, are intact): each is computed again when stored.
-    refills = len(samples) > 1 and overlaps([arrays_of(s) for _, s in samples])
-    if auto:
-        try:
-            layout = Layout.from_samples([s for _, s in samples], options.max_shapes, options.declared_ragged)
-        except LayoutError as exc:
-            raise LayoutError(f"sample {index}: {exc}") from None
-    ragged_bytes = _ragged_bytes(layout, [s for _, s in samples])
-    slots, slot_index, variants = options.plan(layout, source.length, ragged_bytes=ragged_bytes)
-    heap_budget = None
-    if options.max_bytes is not None and layout.ragged:
-        fixed = plan_bytes(layout, slots * variants, slots if slot_index is not None else 0)
-        heap_budget = max(0, options.max_bytes - fixed)
-
-    def store_first(directory: str) -> None:
-        # In the cache still under its temporary name, so no opener ever finds these samples missing.
-        store = Store(directory, writable=True)
-        try:
-            reader, writer = RowReader(store, recompute_stale=True), RowWriter(store)
-            if options.stream:  # the first sample and the probes are epoch 0's positions 0, 1, ...: the ring's
-                ring = Ring(store)
-                try:
-                    values = source.values(reader, source.fetch(index) if refills else sample, index)
-                    ring.publish_created(0, functools.partial(writer.write, 0, values))
-                    order = epoch_order(request.seed, 0, source.length)
-                    position = {int(i): q for q, i in enumerate(order[:slots].tolist())}
-                    for i, probe in samples[1:]:
-                        q = position.get(i, -1)  # a probe is the value of its position in epoch 0's order
-                        if q < 1:
-                            continue
-                        with contextlib.suppress(Exception):  # not stored: computed again when read
-                            values = source.values(reader, source.fetch(i) if refills else probe, i)
-                            ring.publish_created(q, functools.partial(writer.write, q, values))
-                except NoRoom:
-                    ragged = [f.name for f in layout.ragged]
-                    if heap_budget is None:
-                        raise InsufficientSpaceError(
-                            f"the file system of {request.path} has no room for the stream's first sample "
-                            f"({ragged_bytes} bytes in its ragged fields {ragged}); free space") from None
-                    raise ValueError(
-                        f"max_bytes={options.max_bytes} leaves {heap_budget} bytes for the ragged fields {ragged}, "
-                        f"too few for the stream's first sample ({ragged_bytes} bytes in them); raise max_bytes"
-                    ) from None
-                finally:
-                    ring.close()
-                return
-            rows = RowMap.of(store, variant_choice=request.variant_choice, seed=request.seed)
-            for number, (i, probe) in enumerate(samples):
-                row = rows.row(i, 0)
-                if row < 0:
-                    continue
-                try:
-                    values = source.values(reader, source.fetch(i) if refills else probe, i)
-                except Exception:
-                    if number == 0:
-                        raise
-                    continue  # a probe that cannot be stored fails the same way when it is read
-                with contextlib.suppress(NoRoom):  # a probe without heap room (max_bytes): computed again later
-                    store.state.publish(row, i, functools.partial(writer.write, row, values))
-        finally:
-            store.close()
-
-    _create.create(
-        request.path, layout, length=source.length, slots=slots, variants=variants, slot_index=slot_index,
-        fingerprint=request.fingerprint, delete_on_close=request.delete_on_close, library_version=__version__,
-        prepare=store_first, heap_budget=heap_budget, ragged_bytes=ragged_bytes,
-        share=None if options.share is None else options.share.to_json(),
-        stream={"seed": request.seed} if options.stream else None, deterministic=source.deterministic,
-    )
-
-
-def _has_empty_list(sample: Any) -> bool:
-    """Whether a list of numbers in ``sample`` is empty (its element type is then learnt from the probes)."""
-    return any(leaf.field.kind == PYLIST and leaf.value.size == 0 for leaf in flatten(sample)[1])
-
-
-def _ragged_bytes(layout: Layout, samples: list[Any]) -> int:
-    """The mean bytes per sample of the ragged fields' values among ``samples`` (an estimate for planning)."""
-    numbers = [n for n, f in enumerate(layout.fields) if f.ragged]
-    if not numbers:
-        return 0
-    sizes = []
-    for sample in samples:
-        try:
-            leaves = flatten(sample)[1]
-            sizes.append(sum(leaves[n].value.nbytes for n in numbers if n < len(leaves)))
-        except LayoutError:
-            continue
-    return int(np.mean(sizes)) if sizes else 0
 
 
 # --- is it the same source? -------------------------------------------------------------------------------------

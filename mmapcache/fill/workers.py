@@ -22,8 +22,9 @@ import numpy as np
 
 from ..errors import CacheFormatError, CacheNotFoundError
 from ..read.reader import RowReader
+from ..store.lock import ChunkClaims
 from ..store.rows import RowMap
-from ..store.state import ChunkClaims, NoRoom
+from ..store.state import NoRoom
 from ..store.store import Store
 from ..store.writer import RowWriter
 from .specs import DatasetSpec

@@ -30,7 +30,8 @@ import numpy as np
 from ..format import spec as fmt
 from .admin import holders_of
 from .files import open_file
-from .state import ChunkClaims, map_exact
+from .lock import ChunkClaims
+from .state import map_exact
 
 __all__ = ["Ring", "RING_WORDS", "MAX_RANKS", "epoch_order", "producers_of", "register_producer"]
 

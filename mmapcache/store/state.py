@@ -1,6 +1,7 @@
-"""Slot state: the filled and stale bitmaps, the per-row seqlock counters, and the writer lock.
+"""Slot state: the filled and stale bitmaps, the per-row seqlock counters, the keys and the cache-wide counter.
 
-This is the only module that takes the lock or changes the state files (see ``format.spec`` for their layout).
+This is the only module that takes the writer lock (``store.lock``) or changes the state files (see ``format.spec``
+for their layout).
 
 Publication protocol (a writer storing row ``r`` for source index ``key``), all under the writer lock:
   1. re-check: a filled, non-stale row with an even counter is left alone (someone else stored it);
@@ -19,20 +20,17 @@ system calls around every write are full barriers on the writer side.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import mmap
 import os
-import threading
-import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
 
 from ..errors import CacheFormatError, CacheReadOnlyError
-from ..format.spec import CHANGES, CHANGES_WORDS, FILLED, KEYS, LOCK, SEQ, STALE
+from ..format.spec import CHANGES, CHANGES_WORDS, FILLED, KEYS, SEQ, STALE
 from .files import open_file
+from .lock import WriterLock
 
 T = TypeVar("T")
 
@@ -44,84 +42,6 @@ class NoRoom(Exception):
 
 def bitmap_bytes(rows: int) -> int:
     return (rows + 7) // 8
-
-
-class WriterLock:
-    """The cache's writer lock: a thread lock plus the kernel's blocking ``flock`` on ``<cache>/lock``.
-
-    Blocking ``flock`` hands the lock over as soon as it is released (filelock's ``FileLock`` polls with
-    ``LOCK_NB`` every 50 ms by default, which serialises contended writers badly: see ``tools/bench.py``).
-    ``flock`` belongs to an open file description, which all threads of a process share, so the thread lock is
-    what serialises the threads of one process; it is taken first, and the descriptor is opened under it (threads
-    missing at once on a freshly opened cache must not each open, and then unlock, another's descriptor).
-    A forked child gets a fresh thread lock and its own descriptor (``os.register_at_fork``): a lock held by a
-    parent's thread at fork time would stay held forever, and sharing the parent's open file description would
-    make the two processes hold "one" lock together. Safe across processes and threads.
-    """
-
-    def __init__(self, directory: str) -> None:
-        self._directory = directory
-        self._pid = -1
-        self._fd = -1
-        self._thread_lock = threading.Lock()
-        _LOCKS.add(self)
-
-    def _after_fork_in_child(self) -> None:
-        self._thread_lock = threading.Lock()
-        self._fd, self._pid = -1, -1  # the inherited descriptor stays open: it is the parent's description
-
-    def _open_locked(self) -> None:
-        """Opens this process's descriptor. Caller holds the thread lock."""
-        try:
-            self._fd = open_file(self._directory, LOCK, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CacheFormatError(_lock_missing(os.path.join(self._directory, LOCK))) from None
-        self._pid = os.getpid()
-
-    def __enter__(self) -> WriterLock:
-        self._thread_lock.acquire()
-        try:
-            if self._pid != os.getpid():
-                self._open_locked()
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            if os.fstat(self._fd).st_nlink == 0:
-                # Someone removed or replaced the lock file: processes locking a new file would not exclude us.
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-                raise CacheFormatError(_lock_missing(os.path.join(self._directory, LOCK)))
-        except BaseException:
-            self._thread_lock.release()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._thread_lock.release()
-
-    def close(self) -> None:
-        with self._thread_lock:
-            if self._pid == os.getpid() and self._fd >= 0:
-                os.close(self._fd)  # only our own descriptor: an inherited one belongs to the parent
-            self._fd, self._pid = -1, -1
-
-
-_LOCKS: weakref.WeakSet[WriterLock] = weakref.WeakSet()
-
-
-def _reset_locks_in_child() -> None:
-    for lock in list(_LOCKS):
-        lock._after_fork_in_child()
-
-
-os.register_at_fork(after_in_child=_reset_locks_in_child)
-
-
-def _lock_missing(path: str) -> str:
-    return (
-        f"{path} was removed or replaced while the cache is in use, so writers no longer exclude each other; "
-        "stop the processes using this cache, then remove it (`mmapcache rm --force`) and build it again"
-    )
 
 
 class SlotState:
@@ -387,35 +307,3 @@ def map_exact(directory: str, name: str, size: int, access: int, writable: bool)
         return mmap.mmap(fd, size, mmap.MAP_SHARED, access=access) if size else mmap.mmap(-1, 1)
     finally:
         os.close(fd)
-
-
-class ChunkClaims:
-    """Build workers' claims on chunks of rows: POSIX byte-range locks on byte ``c`` of ``<cache>/lock``.
-
-    A claim is held by this process until released or until it dies (the kernel drops it), so concurrent builds
-    skip each other's chunks instead of computing the same samples. POSIX locks belong to the process: closing
-    *any* descriptor of the lock file drops them all, so this class keeps its own descriptor open until ``close``.
-    """
-
-    def __init__(self, directory: str) -> None:
-        self._directory = directory
-        self._fd = -1
-
-    def try_claim(self, chunk: int) -> bool:
-        if self._fd < 0:
-            self._fd = open_file(self._directory, LOCK, os.O_RDWR)
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, chunk)
-        except OSError as exc:
-            if exc.errno in (errno.EACCES, errno.EAGAIN):
-                return False
-            raise
-        return True
-
-    def release(self, chunk: int) -> None:
-        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, chunk)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
