@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import operator
 import os
 import threading
@@ -16,8 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .distributed import DEFAULT_PATIENCE
-from .errors import SampleNotCachedError, StreamBypassWarning, UsageError, warn
+from .fill.contents import CacheContents
 from .fill.create import Request, Source
 from .fill.misses import Misses, checker, fetcher
 from .fill.open import identity, open_cache
@@ -30,26 +27,23 @@ from .fill.options import (
     check_optional_str,
     source_length,
 )
-from .fill.producer import Producer
-from .fill.producer import SourceFactory as _SourceFactory
+from .fill.stream import StreamControls
 from .read.gather import alloc_shared
 from .read.loader import make_loader
 from .read.reader import RowReader
 from .read.sampler import ShareSampler
-from .read.stream import StreamReads
-from .store.create import parent_lock
-from .store.heap import UNCACHED
+from .read.stream import StreamReads, warn_bypass
+from .store.admin import close_store
 from .store.paths import resolve_path
-from .store.ring import Ring, producers_of
+from .store.ring import Ring
 from .store.rows import VARIANT_CHOICES, RowMap, check_index, check_indices
 from .store.share import Share, share_option
-from .store.state import NoRoom
 from .store.store import Store
 
 __all__ = ["MmapCachedDataset"]
 
 
-class MmapCachedDataset(Dataset):
+class MmapCachedDataset(CacheContents, StreamControls, Dataset):
     """A map-style dataset whose samples are computed once and then read from a cache shared by every process.
 
     The first access of a sample calls ``dataset[i]`` and stores the result; every later access, in this or any
@@ -210,7 +204,7 @@ class MmapCachedDataset(Dataset):
             self.on_miss == "wait", self.wait_timeout)
         # The cache's recorded lifetime applies to every user; an opener may also ask for removal of its own.
         delete = self.delete_on_close or bool(store.meta.get("delete_on_close"))
-        self._finalizer = weakref.finalize(self, _close_store, store, delete, self._ring)
+        self._finalizer = weakref.finalize(self, close_store, store, delete, self._ring)
 
     def _ensure_open(self) -> RowReader:
         """The reader of this process, opening the cache on first use (after unpickling in a worker, or after
@@ -291,43 +285,10 @@ class MmapCachedDataset(Dataset):
     def _miss(self, index: int, row: int) -> Any:
         """Computes a sample that is not readable from the cache, and stores it if it is cacheable (``Misses.one``)."""
         if self._ring is not None and self.dataset is not None:
-            _warn_bypass(self.path)
+            warn_bypass(self.path)
         return self._misses.one(index, row)
 
     # --- public API --------------------------------------------------------------------------------------------
-
-    def is_cached(self, index: int) -> bool:
-        """Whether sample ``index`` (for the current epoch's variant) is filled. Safe across processes."""
-        reader = self._ensure_open()
-        index = check_index(index, self._length, self._where())
-        row = self._rows.row(index, self._epoch_view[0])
-        state = reader.state
-        return row >= 0 and state.is_filled(row) and (not self._rows.keyed or state.keys[row] == index) and not (
-            reader.recompute_stale and state.stale[row >> 3] >> (row & 7) & 1)
-
-    @property
-    def num_cached(self) -> int:
-        """How many samples ``is_cached`` (their current epoch's variant is filled, and not stale with
-        ``stale="recompute"``). Safe across processes; costs a scan of the cacheable samples."""
-        reader = self._ensure_open()
-        epoch = self._epoch_view[0]
-        idx = self._rows.cacheable(epoch)
-        rows = self._rows.rows_of(idx, epoch)
-        cached = self._filled(reader, idx, rows)
-        if reader.recompute_stale:
-            cached &= ~reader.state.stale_rows(rows)
-        return int(cached.sum())
-
-    @property
-    def uncached_by_heap(self) -> int:
-        """How many times a sample passed through uncached because a ragged field's heap had no room (every
-        access counts; ``max_bytes`` or the file system is full). Safe across processes."""
-        return int(self._ensure_open().store.heap_counters[:, UNCACHED].sum())
-
-    @property
-    def num_cacheable(self) -> int:
-        """How many samples can be cached (all of them unless ``max_bytes``/``cache_indices`` limited it)."""
-        return self._rows.slots
 
     @property
     def variants(self) -> int:
@@ -344,86 +305,6 @@ class MmapCachedDataset(Dataset):
         if not -(2**63) <= epoch < 2**63:
             raise ValueError(f"epoch {epoch} does not fit in int64")
         self._epoch_view[0] = epoch
-
-    def cacheable_indices(self) -> np.ndarray:
-        """The source indices the cache can hold (this epoch's, for a rotating share), in slot order (int64)."""
-        return self._rows.cacheable(self._epoch_view[0])
-
-    def _filled(self, reader: RowReader, idx: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Which of ``rows`` (cacheable, of source indices ``idx``) hold their sample, their key checked where
-        rows change meaning (a rotating share)."""
-        return reader.state.filled_rows(rows, idx if self._rows.keyed else None)
-
-    def missing_indices(self, indices: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
-        """The cacheable ones among ``indices`` (default: all) whose current epoch's variant is not filled, or is
-        stale. Safe across processes."""
-        reader = self._ensure_open()
-        epoch = self._epoch_view[0]
-        idx = self._rows.cacheable(epoch) if indices is None else check_indices(indices, self._length, self._where())
-        rows = self._rows.rows_of(idx, epoch)
-        keep = rows >= 0
-        idx, rows = idx[keep], rows[keep]
-        return idx[~self._filled(reader, idx, rows) | reader.state.stale_rows(rows)] if len(rows) else idx
-
-    def refresh(self, fraction: float | None = None, indices: Sequence[int] | None = None) -> int:
-        """Marks filled samples stale so they are recomputed (on access, or by ``mmapcache build --follow``).
-
-        Args:
-            fraction: a random share of the filled rows to mark, in [0, 1] (seeded by ``seed`` and the epoch).
-            indices: source indices to mark (all their variants).
-
-        Returns the number of rows newly marked. Safe across processes; readers never see a half-rewritten sample.
-        """
-        reader = self._ensure_open()
-        if (fraction is None) == (indices is None):
-            raise TypeError("refresh() takes exactly one of fraction= or indices=")
-        if indices is not None:
-            rows = self._rows.all_rows_of(check_indices(indices, self._length, self._where()), self._epoch_view[0])
-        else:
-            number = (int, float, np.integer, np.floating)
-            if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, number) or not 0 <= fraction <= 1:
-                raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
-            filled = np.flatnonzero(reader.state.filled_mask())
-            # Seeded by (seed, epoch) only, as documented: every DDP rank calling it marks the same rows.
-            rng = np.random.default_rng([self.seed, self._epoch_view[0]])
-            rows = rng.choice(filled, size=round(float(fraction) * len(filled)), replace=False)
-        return reader.state.mark_stale(rows)
-
-    def fill(self, indices: Sequence[int] | np.ndarray | None = None) -> int:
-        """Computes and stores every not-yet-filled or stale sample among ``indices`` (default: all cacheable
-        ones), in this process, for the current epoch's variant. Returns how many this call stored.
-
-        Stale rows are rewritten too: with ``stale="serve"`` this is what replaces the previous version. Safe
-        across processes (each row is published under the writer lock; readers never see a half-written row).
-        """
-        reader = self._ensure_open()
-        todo = self.missing_indices(indices)
-        if self.dataset is None and len(todo):
-            raise SampleNotCachedError(
-                f"fill() needs the source dataset: {len(todo)} sample(s) of the cache at {self.path} are unfilled "
-                f"or stale (first: {int(todo[0])}); open it with MmapCachedDataset(path, dataset)"
-            )
-        state, stored = reader.state, 0
-        keyed = self._rows.keyed
-        for i in todo.tolist():
-            row = self._rows.row(i, self._epoch_view[0])
-            # Re-checked (others fill too); publish checks again under the lock.
-            if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1 or (keyed and state.keys[row] != i):
-                values = self._misses.checked(reader, self._misses.fetch(i), i)
-                with contextlib.suppress(NoRoom):  # no heap room: stays a miss (counted in the heap, warned once)
-                    stored += state.publish(row, i, functools.partial(self._misses.writer.write, row, values))
-        return stored
-
-    def prefill(self, *, rank: int | None = None, world_size: int | None = None, barrier: bool = True,
-                patience: float = DEFAULT_PATIENCE) -> int:
-        """Fills the cache before training, cooperatively with the other processes (DDP ranks) of this node: each
-        computes a disjoint share, then they wait for each other. See ``mmapcache.distributed.prefill``.
-
-        Returns how many samples this process stored. Safe across processes.
-        """
-        from .distributed import prefill
-
-        return prefill(self, rank=rank, world_size=world_size, barrier=barrier, patience=patience)
 
     @property
     def fields(self) -> list[str]:
@@ -476,46 +357,6 @@ class MmapCachedDataset(Dataset):
         """
         return make_loader(self, **kwargs)
 
-    # --- stream mode ------------------------------------------------------------------------------------------
-
-    @property
-    def stream(self) -> bool:
-        """Whether this is a stream (``stream=True``): read it through ``ds.loader()``."""
-        return self._ensure_open() is not None and self._ring is not None
-
-    @property
-    def stream_stats(self) -> dict[str, Any]:
-        """A stream's counters (``store.ring``): values ``produced``, ``served`` from the ring, ``computed`` by readers
-        (the producer was behind), ``waited`` seconds, ``skipped`` (produced too late), positions ``ahead`` (ready
-        in the ring past the slowest reader), and the ``producers`` running. Safe across processes."""
-        ring = self._stream_ring()
-        stats: dict[str, Any] = ring.stats()
-        stats["waited"] = stats.pop("waited_ns") / 1e9
-        stats["producers"] = producers_of(self.path)
-        return stats
-
-    def produce(self, workers: int = 1, *, context: Any = None) -> Producer:
-        """Starts ``workers`` producer processes filling this stream's ring ahead of its readers, from this
-        dataset's source; returns a handle (``stop()``, or use it as a context manager). Producers stop by
-        themselves when the cache is removed. See ``mmapcache._producer``."""
-        self._stream_ring()
-        if self.dataset is None:
-            raise SampleNotCachedError(f"produce() needs the source dataset: open the stream at {self.path} with "
-                                       "MmapCachedDataset(path, dataset, stream=True)")
-        return Producer.start(self.path, _SourceFactory(self.dataset), workers, context)
-
-    def _stream_ring(self) -> Ring:
-        self._ensure_open()
-        if self._ring is None:
-            raise UsageError(f"the cache at {self.path} is not a stream; open it with stream=True (a new path)")
-        return self._ring
-
-    def stream_reads(self) -> StreamReads:
-        """The reading side of this stream in this process (``read.stream.StreamReads``), for ``ds.loader``."""
-        self._stream_ring()
-        assert self._streams is not None  # made with the ring
-        return self._streams
-
     def close(self) -> None:
         """Unmaps the cache in this process; with ``delete_on_close``, the last user removes it."""
         finalizer = getattr(self, "_finalizer", None)
@@ -533,30 +374,3 @@ class MmapCachedDataset(Dataset):
 
     def __repr__(self) -> str:
         return f"MmapCachedDataset({self.path!r}, length={self._length}, variants={self._rows.variants})"
-
-
-_warned_bypass: set[str] = set()
-
-
-def _warn_bypass(path: str) -> None:
-    if path not in _warned_bypass:
-        _warned_bypass.add(path)
-        warn(f"the stream at {path} was read by index (ds[i], DataLoader(ds)): that computes every sample from the "
-             "source and never reads the ring; read a stream through ds.loader()", StreamBypassWarning)
-
-
-def _close_store(store: Store, delete_on_close: bool, ring: Ring | None = None) -> None:
-    """Detaches this process from the cache and unmaps it; with ``delete_on_close`` the last user removes it.
-
-    Runs from ``close()``, garbage collection, or interpreter exit (``weakref.finalize``); a process killed
-    outright detaches through the kernel (its locks vanish) and a later ``sweep`` removes what it left.
-    """
-    if ring is not None:
-        ring.close()
-    store.close()
-    if delete_on_close and os.path.isdir(os.path.dirname(store.path)):
-        # The parent lock orders this removal with creators and sweeps in the same directory.
-        with parent_lock(store.path):
-            store.detach(remove_if_last=True)
-    else:
-        store.detach()

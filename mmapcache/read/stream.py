@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..errors import SampleNotCachedError, StreamTimeoutError
+from ..errors import SampleNotCachedError, StreamBypassWarning, StreamTimeoutError, warn
 from ..store.ring import Ring, producers_of
 from .collate import PadCollate
 from .gather import alloc_shared
@@ -306,3 +306,14 @@ class _StreamReads(Dataset):
 
 def _whole(batch: Any) -> Any:
     return batch  # each item is already a collated batch
+
+
+_bypassed: set[str] = set()
+
+
+def warn_bypass(path: str) -> None:
+    """Warns once per stream that it was read by index, which bypasses the ring."""
+    if path not in _bypassed:
+        _bypassed.add(path)
+        warn(f"the stream at {path} was read by index (ds[i], DataLoader(ds)): that computes every sample from the "
+             "source and never reads the ring; read a stream through ds.loader()", StreamBypassWarning)

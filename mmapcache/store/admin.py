@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from typing import Any
 
 from ..errors import CacheFormatError, CacheInUseError, CacheNotFoundError
 from ..format import spec as fmt
@@ -172,3 +173,20 @@ def _remove_if_orphaned(path: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def close_store(store: Any, delete_on_close: bool, ring: Any = None) -> None:
+    """Detaches this process from the cache and unmaps it; with ``delete_on_close`` the last user removes it.
+
+    Runs from ``close()``, garbage collection, or interpreter exit (``weakref.finalize``); a process killed
+    outright detaches through the kernel (its locks vanish) and a later ``sweep`` removes what it left.
+    """
+    if ring is not None:
+        ring.close()
+    store.close()
+    if delete_on_close and os.path.isdir(os.path.dirname(store.path)):
+        # The parent lock orders this removal with creators and sweeps in the same directory.
+        with parent_lock(store.path):
+            store.detach(remove_if_last=True)
+    else:
+        store.detach()

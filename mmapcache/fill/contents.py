@@ -1,0 +1,148 @@
+"""What a dataset can ask of, and do to, its cache's contents: which samples are cached or missing, filling them
+(``fill``, ``prefill``) and marking them for recomputation (``refresh``). A mixin of ``MmapCachedDataset``: the
+methods are the dataset's public API, written beside the miss path they drive."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import SampleNotCachedError
+from ..read.reader import RowReader
+from ..store.heap import UNCACHED
+from ..store.rows import RowMap, check_index, check_indices
+from ..store.state import NoRoom
+from .misses import Misses
+from .prefill import DEFAULT_PATIENCE, prefill
+
+__all__ = ["CacheContents"]
+
+
+class CacheContents:
+    """The cache-content methods of ``MmapCachedDataset`` (see the module docstring). Safe across processes."""
+
+    path: str
+    dataset: Any
+    seed: int
+    _rows: RowMap
+    _length: int
+    _epoch_view: memoryview
+    _misses: Misses
+
+    _ensure_open: Callable[[], RowReader]
+    _where: Callable[[], str]
+
+    def is_cached(self, index: int) -> bool:
+        """Whether sample ``index`` (for the current epoch's variant) is filled. Safe across processes."""
+        reader = self._ensure_open()
+        index = check_index(index, self._length, self._where())
+        row = self._rows.row(index, self._epoch_view[0])
+        state = reader.state
+        return row >= 0 and state.is_filled(row) and (not self._rows.keyed or state.keys[row] == index) and not (
+            reader.recompute_stale and state.stale[row >> 3] >> (row & 7) & 1)
+
+    @property
+    def num_cached(self) -> int:
+        """How many samples ``is_cached`` (their current epoch's variant is filled, and not stale with
+        ``stale="recompute"``). Safe across processes; costs a scan of the cacheable samples."""
+        reader = self._ensure_open()
+        epoch = self._epoch_view[0]
+        idx = self._rows.cacheable(epoch)
+        rows = self._rows.rows_of(idx, epoch)
+        cached = self._filled(reader, idx, rows)
+        if reader.recompute_stale:
+            cached &= ~reader.state.stale_rows(rows)
+        return int(cached.sum())
+
+    @property
+    def uncached_by_heap(self) -> int:
+        """How many times a sample passed through uncached because a ragged field's heap had no room (every
+        access counts; ``max_bytes`` or the file system is full). Safe across processes."""
+        return int(self._ensure_open().store.heap_counters[:, UNCACHED].sum())
+
+    @property
+    def num_cacheable(self) -> int:
+        """How many samples can be cached (all of them unless ``max_bytes``/``cache_indices`` limited it)."""
+        return self._rows.slots
+
+    def cacheable_indices(self) -> np.ndarray:
+        """The source indices the cache can hold (this epoch's, for a rotating share), in slot order (int64)."""
+        return self._rows.cacheable(self._epoch_view[0])
+
+    def _filled(self, reader: RowReader, idx: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` (cacheable, of source indices ``idx``) hold their sample, their key checked where
+        rows change meaning (a rotating share)."""
+        return reader.state.filled_rows(rows, idx if self._rows.keyed else None)
+
+    def missing_indices(self, indices: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+        """The cacheable ones among ``indices`` (default: all) whose current epoch's variant is not filled, or is
+        stale. Safe across processes."""
+        reader = self._ensure_open()
+        epoch = self._epoch_view[0]
+        idx = self._rows.cacheable(epoch) if indices is None else check_indices(indices, self._length, self._where())
+        rows = self._rows.rows_of(idx, epoch)
+        keep = rows >= 0
+        idx, rows = idx[keep], rows[keep]
+        return idx[~self._filled(reader, idx, rows) | reader.state.stale_rows(rows)] if len(rows) else idx
+
+    def refresh(self, fraction: float | None = None, indices: Sequence[int] | None = None) -> int:
+        """Marks filled samples stale so they are recomputed (on access, or by ``mmapcache build --follow``).
+
+        Args:
+            fraction: a random share of the filled rows to mark, in [0, 1] (seeded by ``seed`` and the epoch).
+            indices: source indices to mark (all their variants).
+
+        Returns the number of rows newly marked. Safe across processes; readers never see a half-rewritten sample.
+        """
+        reader = self._ensure_open()
+        if (fraction is None) == (indices is None):
+            raise TypeError("refresh() takes exactly one of fraction= or indices=")
+        if indices is not None:
+            rows = self._rows.all_rows_of(check_indices(indices, self._length, self._where()), self._epoch_view[0])
+        else:
+            number = (int, float, np.integer, np.floating)
+            if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, number) or not 0 <= fraction <= 1:
+                raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
+            filled = np.flatnonzero(reader.state.filled_mask())
+            # Seeded by (seed, epoch) only, as documented: every DDP rank calling it marks the same rows.
+            rng = np.random.default_rng([self.seed, self._epoch_view[0]])
+            rows = rng.choice(filled, size=round(float(fraction) * len(filled)), replace=False)
+        return reader.state.mark_stale(rows)
+
+    def fill(self, indices: Sequence[int] | np.ndarray | None = None) -> int:
+        """Computes and stores every not-yet-filled or stale sample among ``indices`` (default: all cacheable
+        ones), in this process, for the current epoch's variant. Returns how many this call stored.
+
+        Stale rows are rewritten too: with ``stale="serve"`` this is what replaces the previous version. Safe
+        across processes (each row is published under the writer lock; readers never see a half-written row).
+        """
+        reader = self._ensure_open()
+        todo = self.missing_indices(indices)
+        if self.dataset is None and len(todo):
+            raise SampleNotCachedError(
+                f"fill() needs the source dataset: {len(todo)} sample(s) of the cache at {self.path} are unfilled "
+                f"or stale (first: {int(todo[0])}); open it with MmapCachedDataset(path, dataset)"
+            )
+        state, stored = reader.state, 0
+        keyed = self._rows.keyed
+        for i in todo.tolist():
+            row = self._rows.row(i, self._epoch_view[0])
+            # Re-checked (others fill too); publish checks again under the lock.
+            if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1 or (keyed and state.keys[row] != i):
+                values = self._misses.checked(reader, self._misses.fetch(i), i)
+                with contextlib.suppress(NoRoom):  # no heap room: stays a miss (counted in the heap, warned once)
+                    stored += state.publish(row, i, functools.partial(self._misses.writer.write, row, values))
+        return stored
+
+    def prefill(self, *, rank: int | None = None, world_size: int | None = None, barrier: bool = True,
+                patience: float = DEFAULT_PATIENCE) -> int:
+        """Fills the cache before training, cooperatively with the other processes (DDP ranks) of this node: each
+        computes a disjoint share, then they wait for each other. See ``mmapcache.distributed.prefill``.
+
+        Returns how many samples this process stored. Safe across processes.
+        """
+        return prefill(self, rank=rank, world_size=world_size, barrier=barrier, patience=patience)
