@@ -103,6 +103,8 @@ def markdown(result: dict[str, Any]) -> str:
     m, c = result["machine"], result["config"]
     k = c["repeat"]
     lines = [
+        "# Benchmark results",
+        "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM; Python {m['python']}, torch {m['torch']}, "
         f"numpy {m['numpy']}; torch threads {m['torch_threads']}; load average at start {m['load_avg_at_start']}.",
         f"Command: `{c['command']}` ({c['elapsed_s']} s). Batch size {c['batch_size']}, shuffled, num_workers=0 "
