@@ -220,6 +220,42 @@ def test_probes_of_a_refilling_source_are_each_stored_right(cache_path: str, shi
         assert all(bool((reader[i]["x"] == i).all()) and len(reader[i]["x"]) == 3 + i % 5 for i in stored)
 
 
+class RefillsAndFails(RefillsOneBuffer):
+    """``RefillsOneBuffer`` with a few unreadable records: computing one raises, after the samples before it in its
+    batch were computed (into the same buffer)."""
+
+    BAD = (5, 13)
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        if i in self.BAD:
+            self.buf[:] = -1
+            raise OSError(f"record {i} is corrupt")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_batch_that_fails_midway_stores_no_sample_with_anothers_value(cache_path: str, ragged: bool,
+                                                                         shift: bool) -> None:
+    # The samples computed before the failure are stored (the work is kept), but not from the refilled buffer:
+    # they would hold the value last written into it.
+    options = {"ragged": ["x"]} if ragged else {"ragged": None}
+    with MmapCachedDataset(cache_path, RefillsAndFails("tensor", ragged, shift), **options) as ds:  # type: ignore[arg-type]
+        failed = 0
+        for start in range(0, 24, 8):
+            try:
+                ds.__getitems__(list(range(start, start + 8)))
+            except OSError:
+                failed += 1
+        assert failed == 2
+        stored = [i for i in range(24) if ds.is_cached(i)]
+    assert set(range(16, 24)) <= set(stored) and not set(RefillsAndFails.BAD) & set(stored)
+    with MmapCachedDataset(cache_path) as reader:
+        for i in stored:
+            value = np.asarray(reader[i]["x"])
+            assert value.shape == ((3 + i % 5,) if ragged else (8,)) and (value == i).all(), (i, value)
+
+
 class Windows(Dataset):
     """Overlapping windows of one array that never changes (a time series): views whose memory overlaps on
     purpose. Not a refilled buffer, but the cache cannot tell: it must store every window as it is."""

@@ -157,8 +157,12 @@ class Misses:
         try:
             for index in idx[todo].tolist():
                 samples.append(self.fetch(index))  # noqa: PERF401 - on a failure, the ones before it count
-        except BaseException:
-            self._check_each(idx, rows, columns, todo[:len(samples)].tolist(), samples, computed)
+        except Exception:
+            # The samples fetched before the failure are kept, but not as fetched: a source that refills one buffer
+            # may have overwritten them with the next samples, or with the failed one's half-written bytes, and
+            # one sample alone cannot show it. They are computed again, each copied out before the next.
+            with contextlib.suppress(Exception):
+                self._fetch_each(idx, rows, columns, todo[:len(samples)].tolist(), computed)
             raise
         whole = len(todo) == len(idx)
         outcome = fill(samples, columns, None if whole else todo)
@@ -177,6 +181,13 @@ class Misses:
         else:
             self._check_each(idx, rows, columns, todo.tolist(), samples, computed)
         return positions[refilled].tolist()
+
+    def _fetch_each(self, idx: np.ndarray, rows: np.ndarray, columns: list[Any], todo: list[int],
+                    computed: Computed) -> None:
+        """Computes, checks and copies into the columns one sample at a time (the per-sample path)."""
+        for k in todo:
+            index = int(idx[k])
+            self._check_each(idx, rows, columns, [k], [self.fetch(index)], computed)
 
     def _check_each(self, idx: np.ndarray, rows: np.ndarray, columns: list[Any], todo: list[int],
                     samples: list[Any], computed: Computed) -> None:
