@@ -142,6 +142,27 @@ def test_inconsistent_meta(filled_cache: str, changes: dict) -> None:
     _open_fails(filled_cache, r"meta\.json is malformed")
 
 
+@pytest.mark.parametrize("changes, match", [
+    ({"delete_on_close": "no"}, r"delete_on_close must be true or false, found 'no'"),  # truthy: a close removed it
+    ({"delete_on_close": 1}, r"delete_on_close must be true or false"),
+    ({"fingerprint": 3}, r"fingerprint must be null or a string, found 3"),
+    ({"fingerprint": "<delete>"}, r"KeyError: 'fingerprint'"),
+    ({"created": None}, r"created must be a string, found None"),
+    ({"library_version": "<delete>"}, r"KeyError: 'library_version'"),
+    ({"deterministic": "false"}, r"deterministic must be true or false"),
+])
+def test_every_key_of_meta_is_checked(filled_cache: str, changes: dict, match: str) -> None:
+    # Each of these reached a reader or inspect as a raw exception, or changed what a close does.
+    with open(_file(filled_cache, "meta.json")) as f:
+        meta = json.load(f)
+    meta.update({k: v for k, v in changes.items() if v != "<delete>"})
+    for key in [k for k, v in changes.items() if v == "<delete>"]:
+        del meta[key]
+    with open(_file(filled_cache, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    _open_fails(filled_cache, r"meta\.json is malformed \(.*" + match)
+
+
 @pytest.mark.parametrize("change", [{"dtype": "|O"}, {"kind": "pickle"}, {"shape": [3, -8, 8]}])
 def test_meta_with_a_bad_field(filled_cache: str, change: dict) -> None:
     with open(_file(filled_cache, "meta.json")) as f:

@@ -154,8 +154,15 @@ def _check_meta(meta: dict[str, Any]) -> None:
         raise ValueError(f"mode {meta['mode']!r} is not one of {MODES}")
     _check_share(meta)
     _check_stream(meta)
-    if type(meta.setdefault("deterministic", True)) is not bool:
+    if type(meta.setdefault("deterministic", True)) is not bool:  # absent: written before 0.3, which compared
         raise ValueError(f"deterministic must be true or false, found {meta['deterministic']!r}")
+    if type(meta["delete_on_close"]) is not bool:  # a stray truthy value would remove the cache on a close
+        raise ValueError(f"delete_on_close must be true or false, found {meta['delete_on_close']!r}")
+    if meta["fingerprint"] is not None and not isinstance(meta["fingerprint"], str):
+        raise ValueError(f"fingerprint must be null or a string, found {meta['fingerprint']!r}")
+    for key in ("library_version", "created"):  # shown by inspect; every writer of format 2 wrote them
+        if not isinstance(meta[key], str):
+            raise ValueError(f"{key} must be a string, found {meta[key]!r}")
     if meta["heap_budget"] is not None and (not isinstance(meta["heap_budget"], int) or meta["heap_budget"] < 0):
         raise ValueError(f"heap_budget must be null or a non-negative integer, found {meta['heap_budget']!r}")
     for key in ("length", "slots", "variants", "rows"):
