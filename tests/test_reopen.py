@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from helpers.processes import collect, join_all, running
 from helpers.sources import ImageLabels, Scaled, sample_equal
@@ -66,6 +66,36 @@ def test_fingerprintless_opener_of_a_fingerprinted_cache_must_match_its_first_sa
     # A source that cannot be compared (declared random) needs the fingerprint.
     with pytest.raises(CacheMismatchError, match="pass fingerprint='A'"):
         MmapCachedDataset(cache_path, Scaled(8, scale=1.0), deterministic=False)
+
+
+class Captions(Dataset):
+    """An image, a caption of varying length and its token ids (ragged fields, found by the creator's probes)."""
+
+    def __len__(self) -> int:
+        return 120
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"image": torch.full((3, 2, 2), i, dtype=torch.uint8), "caption": "ü" * (i % 5) + str(i),
+                "ids": torch.arange(i % 9, dtype=torch.int64) + i}
+
+
+@pytest.mark.parametrize("options", [{"max_bytes": 4000}, {"max_bytes": 20000}, {"stream": True, "max_bytes": 4000},
+                                     {"stream": True, "max_bytes": 20000, "seed": 5}])
+def test_the_same_arguments_reopen_a_cache_whose_budget_holds_ragged_fields(cache_path: str,
+                                                                            options: dict[str, Any]) -> None:
+    # The creator planned its slots from its probes' ragged sizes, which an opener cannot plan again: a restarted
+    # script, or a rank arriving after the creator, with the same max_bytes was refused as another cache.
+    stream = options.get("stream", False)
+    with MmapCachedDataset(cache_path, Captions(), **options) as first:
+        slots = first.num_cacheable
+        assert stream or (0 < slots < 120) == (options["max_bytes"] == 4000)
+        served = None if stream else first[3]
+    with MmapCachedDataset(cache_path, Captions(), **options) as again:
+        assert again.num_cacheable == slots and again.created is False
+        assert stream or sample_equal(again[3], served)
+    if options == {"max_bytes": 4000}:  # another budget caches other samples: still refused
+        with pytest.raises(CacheMismatchError):
+            MmapCachedDataset(cache_path, Captions(), max_bytes=2000)
 
 
 # --- the first sample is computed once ------------------------------------------------------------------------------

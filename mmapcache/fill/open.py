@@ -35,10 +35,12 @@ from ..format.codec import differing_field
 from ..read.reader import RowReader
 from ..store import admin as _admin
 from ..store import create as _create
+from ..store.create import plan_bytes
 from ..store.rows import RowMap
 from ..store.share import Share
 from ..store.store import Store
 from .create import Request, Source, create_locked
+from .options import CreateOptions
 
 __all__ = ["open_cache", "identity"]
 
@@ -149,7 +151,8 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
                     "use a node-local MMAPCACHE_DIR, or remove this cache to make it anew")
     elif meta["share"] is not None and options.cache_indices is not None:
         return "a node share in the cache, cache_indices given"
-    if meta["share"] is None and (options.max_bytes is not None or options.cache_indices is not None):
+    if meta["share"] is None and (options.max_bytes is not None or options.cache_indices is not None) and not (
+            _same_max_bytes(store, options)):
         # Compare what the options decide (which indices are cacheable), not the numbers: any max_bytes at least
         # as large as the cache matches a cache that holds every sample.
         slots, index, _ = options.plan(store.layout, source.length, meta["variants"])
@@ -176,6 +179,17 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
     if request.fingerprint is not None:
         return None  # a matching fingerprint identifies the source: no need to compute a sample
     return _sample_mismatch(store, request, source)
+
+
+def _same_max_bytes(store: Store, options: CreateOptions) -> bool:
+    """Whether ``options.max_bytes`` is the one the cache was created with, for a cache with ragged fields: its
+    slots were planned from the creator's probes (the bytes their ragged values take), which an opener cannot
+    plan again, but the heap budget it recorded is what ``max_bytes`` left after the fixed rows."""
+    budget = store.meta["heap_budget"]
+    if budget is None or options.max_bytes is None or options.cache_indices is not None:
+        return False
+    fixed = plan_bytes(store.layout, store.rows, store.slots if store.slot_index is not None else 0)
+    return options.max_bytes == budget + fixed
 
 
 # Without a fingerprint, an opener computes again the cache's first sample and this many more stored ones, chosen
