@@ -34,9 +34,9 @@ def _fit(out: str, cache: str, *args: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
-def _records(out: str) -> list[dict[str, Any]]:
+def _records(out: str, ranks: int = 2) -> list[dict[str, Any]]:
     records = []
-    for rank in range(2):
+    for rank in range(ranks):
         with open(os.path.join(out, f"rank{rank}.jsonl")) as f:
             records += [json.loads(line) for line in f]
     return records
@@ -75,6 +75,21 @@ def test_a_mid_epoch_checkpoint_resumes_exactly(shm_dir: str, tmp_path: Any) -> 
             assert record["indices"] == reference[key], f"resumed from step {step}: batch {key} differs"
 
 
+def test_a_restart_from_an_end_of_epoch_checkpoint_reads_the_same_epochs(shm_dir: str, tmp_path: Any) -> None:
+    # ModelCheckpoint's default saves at each epoch's end, and from there Lightning restores no loader state: on one
+    # device (no DistributedSampler seeds to fall back on) the resumed epochs replayed the first one's order.
+    cache = os.path.join(shm_dir, "c")
+    whole = str(tmp_path / "whole")
+    one = ("--devices", "1", "--strategy", "auto", "--seed", "5", "--epochs", "3")
+    _fit(whole, cache, *one, "--epoch-end")
+    reference = [[r["indices"] for r in _records(whole, 1) if r["epoch"] == epoch] for epoch in range(3)]
+    assert len({str(epoch) for epoch in reference}) == 3
+    resumed = str(tmp_path / "resumed")
+    _fit(resumed, cache, *one, "--resume", os.path.join(whole, "ckpt", "epoch=0.ckpt"))
+    after = _records(resumed, 1)
+    assert [[r["indices"] for r in after if r["epoch"] == epoch] for epoch in (1, 2)] == reference[1:]
+
+
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11's own, at construction
 def test_resume_matches_torchdatas_stateful_dataloader(cache_path: str) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -104,3 +119,38 @@ def test_resume_matches_torchdatas_stateful_dataloader(cache_path: str) -> None:
                 else:
                     assert len(head + rest) == len(expected)
                     assert all(torch.equal(a, b) for a, b in zip(head + rest, expected)), f"rank {rank}"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's advice on workers, shuffling off for overfitting
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# Lightning's own use of a torch 2.13 deprecation:
+@pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
+def test_overfit_batches_trains_on_the_first_batches_as_with_dataloader(cache_path: str) -> None:
+    # Trainer(overfit_batches=n) rebuilds the loader with SequentialSampler(loader.dataset); ds.loader's dataset is
+    # read by whole batches, and the rebuilt loader failed on its first batch.
+    import lightning as L  # noqa: N812 - the name Lightning's own documentation uses
+    from torch.utils.data import DataLoader
+
+    from helpers.sources import Numbered
+
+    class Record(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.seen = torch.nn.Linear(4, 1), []
+
+        def training_step(self, batch: Any, _: int) -> Any:
+            self.seen.append(batch[1].tolist())
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with MmapCachedDataset(cache_path, Numbered(40)) as ds:
+        seen = []
+        for loader in (ds.loader(batch_size=8, shuffle=True), DataLoader(ds, batch_size=8, shuffle=True)):
+            model = Record()
+            L.Trainer(accelerator="cpu", devices=1, max_epochs=2, overfit_batches=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model,
+                                                                                                            loader)
+            seen.append(model.seen)
+        assert seen[0] == seen[1] == [list(range(8)), list(range(8, 16))] * 2

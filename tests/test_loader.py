@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, SubsetRandomSampler
+from torch.utils.data import DataLoader, SequentialSampler, SubsetRandomSampler
 
 from helpers.loader_sources import Mixed
 from helpers.sources import sample_equal
@@ -250,3 +250,32 @@ def test_default_collation_of_a_ragged_field_is_a_list(cache_path: str) -> None:
                     list(range(i % 5 + 1)) for i in range(start, min(start + 8, 20))]
                 assert [t.tolist() for t in a["ids"]] == [t.tolist() for t in b["ids"]]
                 assert torch.equal(a["y"], b["y"])
+
+
+@pytest.mark.parametrize("collate", [None, "list"])
+def test_a_loader_rebuilt_with_another_sampler_batches_that_samplers_indices(cache_path: str,
+                                                                            collate: str | None) -> None:
+    # Trainers rebuild a loader from its attributes with their own sampler (PyTorch Lightning's overfit_batches puts
+    # in SequentialSampler(loader.dataset)): the batches must be that sampler's indices, cut as before.
+    with MmapCachedDataset(cache_path, Mixed(30, "pair")) as ds:
+        collate_fn = (lambda samples: samples) if collate else None
+        loader = ds.loader(batch_size=8, shuffle=True, collate_fn=collate_fn)
+        rebuilt = type(loader)(loader.dataset, batch_size=None, sampler=SequentialSampler(loader.dataset),
+                               collate_fn=loader.collate_fn)
+        expected = list(DataLoader(ds, batch_size=8, collate_fn=collate_fn))
+        got = list(rebuilt)
+        assert len(got) == len(expected) == 4
+        assert all(sample_equal(a, b) for a, b in zip(got, expected))
+        assert len(list(loader)) == 4  # the original keeps its own order
+        with pytest.raises(TypeError, match=r"ds\.loader\(\)'s dataset is read by \(epoch, indices\) keys .* use "
+                                            r"the MmapCachedDataset itself \(ds\[i\]\)"):
+            loader.dataset[3]
+
+
+def test_an_iteration_has_a_length_as_dataloaders_does(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Mixed(30, "pair")) as ds:
+        for workers in (0, 2):
+            loader = ds.loader(batch_size=8, num_workers=workers)
+            batches = iter(loader)
+            assert len(batches) == len(loader) == len(iter(DataLoader(ds, batch_size=8))) == 4
+            assert len(list(batches)) == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import sys
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate, default_conve
 
 from ..errors import WorkerStartError
 from .collate import PadCollate
-from .order import BatchOrder, EpochStart
+from .order import BatchOrder, EpochStart, Resume
 from .stream import StreamLoader
 
 
@@ -75,9 +76,10 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
                        drop_last=drop_last, generator=generator, sampler=sampler, batch_sampler=batch_sampler,
                        **placement)
     if (collate is None or pad is not None) and ds.reads_batches and batch_size is not None:
-        reads: Dataset = _Batches(ds, pad, order.trusted)
+        reads: _Reads = _Batches(ds, pad, order.trusted)
     else:
         reads = _Samples(ds, collate, batched=batch_size is not None or batch_sampler is not None)
+    reads.order = order
     # The order's generator also goes to the DataLoader: it draws the workers' base seed from it before the order
     # draws the permutation, exactly as DataLoader(ds, generator=...) does, so both shuffle alike.
     return CacheLoader(reads, batch_size=None, sampler=order, collate_fn=_identity, generator=order.generator,
@@ -98,10 +100,20 @@ class CacheLoader(DataLoader):
     batches that epoch had left, then the same epochs after it.
     """
 
+    def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
+        order, sampler = getattr(dataset, "order", None), kwargs.get("sampler")
+        if isinstance(order, BatchOrder) and sampler is not None and not isinstance(sampler, BatchOrder):
+            # Rebuilt from its attributes with another sampler (PyTorch Lightning's ``overfit_batches`` puts in a
+            # ``SequentialSampler(loader.dataset)``): that sampler's indices, batched as this loader batched its own.
+            kwargs["sampler"] = order.over(sampler)
+            dataset = copy.copy(dataset)  # the original loader keeps its own
+            dataset.order, dataset.trusted = kwargs["sampler"], False  # its indices are checked
+        super().__init__(dataset, *args, **kwargs)
+
     def __iter__(self) -> Any:
         self._yielded, self._active = 0, False  # a new pass: an abandoned one's progress is gone
         self.sampler.started = None  # type: ignore[attr-defined]
-        return self._counted()
+        return _Pass(self._counted(), len(self))
 
     def _counted(self) -> Iterator[Any]:
         """The batches, counting those handed to the caller (what a state records: not a worker's prefetch)."""
@@ -123,21 +135,32 @@ class CacheLoader(DataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: the epoch being read and the batches it yielded of it (or, between epochs, where the
-        next starts), with what its order was drawn from (``mmapcache._order``). Picklable; ``torch.save`` stores it.
-        """
+        next starts), with what its order was drawn from (``read.order``). Picklable; ``torch.save`` stores it. A
+        loader given a state and not iterated since returns that state."""
         order: BatchOrder = self.sampler  # type: ignore[assignment]
         state = self._shape()
-        start = order.started
-        if getattr(self, "_active", False) and start is not None:
-            state.update(epoch=start.epoch, batches=self._yielded, generator=start.generator, sampler=start.sampler)
+        resume, start = order.resume, order.started
+        if resume is not None:
+            state.update(epoch=resume.start.epoch if resume.same_epoch else order.epoch, batches=resume.skip,
+                         generator=resume.start.generator, sampler=resume.start.sampler,
+                         repeat=resume.start.repeat, persistent=not resume.same_epoch)
+        elif getattr(self, "_active", False) and start is not None:
+            state.update(epoch=start.epoch, batches=self._yielded, generator=start.generator, sampler=start.sampler,
+                         repeat=start.repeat, persistent=False)
         else:
-            now = order._start()
-            state.update(epoch=now.epoch, batches=0, generator=now.generator, sampler=now.sampler)
+            now = order.start(draw=False)
+            # With persistent workers the next epoch draws no base seed for its workers (a resumed loader's first
+            # does): the generator is then put back when the order is drawn, after that draw.
+            persistent = bool(self.persistent_workers and self.num_workers and getattr(self, "_iterator", None))
+            state.update(epoch=now.epoch, batches=0, generator=now.generator, sampler=now.sampler,
+                         repeat=now.repeat, persistent=persistent)
+        state.update(base=order.base, drawn=order.drawn)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next iteration continue where the loader that saved ``state`` was: the rest of its epoch (the
-        batches it had not yielded), or the epoch after a finished one.
+        batches it had not yielded, and the dataset's epoch is that one), or, from a state taken between epochs,
+        the next epoch (the one ``set_epoch`` sets, before or after this call) drawn as it would have been.
 
         Raises:
             ValueError: ``state`` is not a loader state, or is that of a loader over another dataset length, batch
@@ -154,12 +177,20 @@ class CacheLoader(DataLoader):
                              "resuming from it would read another order. Resume with the same dataset length, "
                              "batch size, drop_last, shuffle and number of ranks, or start the epoch afresh")
         order: BatchOrder = self.sampler  # type: ignore[assignment]
-        start = EpochStart(int(state["epoch"]), state.get("generator"), state.get("sampler"))
-        if state["batches"]:
-            order.resume = (start, int(state["batches"]))
-            order.ds.set_epoch(start.epoch)
+        start = EpochStart(int(state["epoch"]), state.get("generator"), state.get("sampler"),
+                           int(state.get("repeat", 0)))
+        batches = int(state["batches"])
+        if order.base is not None and state.get("base") is not None:
+            order.base = int(state["base"])
+        drawn = state.get("drawn")
+        order.drawn = None if drawn is None else (int(drawn[0]), int(drawn[1]))
+        if batches or state.get("persistent"):
+            order.resume = Resume(start, batches, same_epoch=bool(batches))
+            if batches:
+                order.ds.set_epoch(start.epoch)
         else:
-            order._restore(start)
+            order.resume = None
+            order.restore(start, epoch=False)
 
     def _shape(self) -> dict[str, Any]:
         """What a state must match: the dataset's length, the batching and the split. Not the rank: every rank's
@@ -209,7 +240,39 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
-class _Batches(Dataset):
+class _Pass(Iterator[Any]):
+    """One pass over a ``CacheLoader``: an iterator with a length, as DataLoader's own."""
+
+    def __init__(self, batches: Iterator[Any], length: int) -> None:
+        self._batches, self._length = batches, length
+
+    def __next__(self) -> Any:
+        return next(self._batches)
+
+    def __len__(self) -> int:
+        return self._length
+
+
+def _batch_key(key: Any) -> tuple[int, Any]:
+    if not isinstance(key, tuple) or len(key) != 2:
+        raise TypeError(
+            f"ds.loader()'s dataset is read by (epoch, indices) keys from its own sampler, not {key!r}: to index "
+            "samples, use the MmapCachedDataset itself (ds[i]); to iterate with another sampler, pass it as "
+            "ds.loader(sampler=...) or use torch.utils.data.DataLoader(ds, ...)")
+    return key
+
+
+class _Reads(Dataset):
+    """A loader's dataset. ``order`` is the loader's ``BatchOrder`` (to rebuild the loader with another sampler);
+    it stays in this process: workers are sent only what they read with."""
+
+    order: BatchOrder | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "order": None}
+
+
+class _Batches(_Reads):
     """Maps ``(epoch, indices)`` to the collated batch, gathered in one step per field (``read_batch``)."""
 
     def __init__(self, ds: BatchReader, pad: PadCollate | None = None, trusted: bool = False) -> None:
@@ -218,14 +281,14 @@ class _Batches(Dataset):
         self.trusted = trusted
 
     def __getitem__(self, key: tuple[int, Any]) -> Any:
-        epoch, indices = key
+        epoch, indices = _batch_key(key)
         return self.ds.read_batch(indices, epoch, self.pad, trusted=self.trusted)
 
     def __len__(self) -> int:
         return len(self.ds)
 
 
-class _Samples(Dataset):
+class _Samples(_Reads):
     """Maps ``(epoch, indices)`` to ``collate_fn([ds[i] for i in indices])`` (through ``__getitems__``), or, not
     batched, ``(epoch, i)`` to ``collate_fn(ds[i])``: what ``DataLoader(ds)`` does with a ``collate_fn``, a
     ``transform`` or fields default collation cannot stack (default: ``default_collate``, or ``default_convert``
@@ -236,7 +299,7 @@ class _Samples(Dataset):
         self.collate = collate if collate is not None else default_collate if batched else default_convert
 
     def __getitem__(self, key: tuple[int, Any]) -> Any:
-        _, indices = key
+        _, indices = _batch_key(key)
         if not self.batched:
             return self.collate(self.ds[indices])
         return self.collate(self.ds.__getitems__(indices.tolist()))

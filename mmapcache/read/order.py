@@ -10,9 +10,13 @@ epoch's order is drawn when its first batch is asked for (not when iteration sta
   loader's ``rank``/``world_size``) of more than one process: exactly ``DistributedSampler(ds, shuffle=shuffle,
   seed=seed)`` with its ``set_epoch``: the same permutation of ``(seed, epoch)`` on every rank, padded by repeating
   its start to a multiple of the ranks, rank ``r`` taking positions ``r, r + W, ...``; batches cut from that;
-- otherwise ``RandomSampler(ds, generator=g)`` or ``SequentialSampler``, drawn as ``DataLoader(ds, shuffle=...,
-  generator=g)`` draws them (the same calls on ``g``). Without a ``generator``, the loader makes its own, seeded
-  once from torch's global generator when the loader is made: later epochs never depend on the global generator.
+- otherwise, with a ``generator``, ``RandomSampler(ds, generator=g)`` drawn as ``DataLoader(ds, shuffle=True,
+  generator=g)`` draws it (the same calls on ``g``); without one, a permutation of ``(base, epoch, pass)``: ``base``
+  drawn once from torch's global generator when the loader is made, ``pass`` counting the iterations of one epoch
+  (a loop that never calls ``set_epoch`` still gets a new order each time). So an epoch's order is a function of
+  its number, as ``DistributedSampler``'s is: a job restarted at an epoch's end (PyTorch Lightning restores no
+  loader state there, only calls ``set_epoch``) reads the epochs the uninterrupted job would have, when both seed
+  torch alike (``seed_everything``). ``shuffle=False``: ``SequentialSampler``'s order.
 
 It is a ``DistributedSampler`` (by class; its attributes describe the current split): trainers that give a
 loader's sampler to ``DistributedSampler`` unless it is one (PyTorch Lightning's ``use_distributed_sampler``) leave
@@ -45,7 +49,7 @@ from torch.utils.data import (
 from ..errors import DistributedOrderWarning, warn
 from ..store.share import job_rank_and_size
 
-__all__ = ["BatchOrder", "EpochStart", "epoch_indices"]
+__all__ = ["BatchOrder", "EpochStart", "Resume", "epoch_indices"]
 
 
 class _Ordered(Protocol):
@@ -68,11 +72,23 @@ _WHOLE = (RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomS
 @dataclasses.dataclass
 class EpochStart:
     """What an epoch's order was drawn from: the dataset's epoch, and the states of the generator and of a user's
-    sampler just before the draw."""
+    sampler just before the draw (for a user's ``RandomSampler`` without a generator: the seed it drew), and how
+    many times this epoch was read before."""
 
     epoch: int
     generator: torch.Tensor | None = None
     sampler: dict[str, Any] | None = None
+    repeat: int = 0  # the epoch's iterations before this one (the loader's own shuffle: ``pass``)
+
+
+@dataclasses.dataclass
+class Resume:
+    """An order to draw again from ``start`` at the next iteration, skipping its first ``skip`` batches; with
+    ``same_epoch`` False, for the epoch current then (a state taken between epochs), not ``start``'s."""
+
+    start: EpochStart
+    skip: int
+    same_epoch: bool = True
 
 
 class BatchOrder(DistributedSampler):
@@ -96,11 +112,15 @@ class BatchOrder(DistributedSampler):
         self.batch_size, self.shuffle, self.drop_last = batch_size, bool(shuffle), bool(drop_last)
         self.user_sampler, self.user_batch_sampler = sampler, batch_sampler
         self.seed = ds.seed if seed is None else int(seed)
+        self.base: int | None = None  # the own shuffle's seed (see the module docstring)
         if shuffle and generator is None and sampler is None and batch_sampler is None:
             # One draw from the global generator now; every later epoch from this one (see the module docstring).
+            # The generator gives DataLoader its workers' base seeds.
+            self.base = int(torch.empty((), dtype=torch.int64).random_().item())
             generator = torch.Generator()
-            generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+            generator.manual_seed(self.base)
         self.generator = generator
+        self.drawn: tuple[int, int] | None = None  # (epoch, repeat) of the last order drawn
         if (rank is None) != (world_size is None):
             raise TypeError("ds.loader() takes both rank= and world_size=, or neither (to find them in the job)")
         if world_size is not None and not 0 <= rank < world_size:  # type: ignore[operator]
@@ -108,9 +128,20 @@ class BatchOrder(DistributedSampler):
         self._placement = None if rank is None else (int(rank), int(world_size))  # type: ignore[arg-type]
         self.trusted = sampler is None and batch_sampler is None  # our own indices: int64 arrays, in range
         self.started: EpochStart | None = None  # the epoch being iterated, as drawn
-        self.resume: tuple[EpochStart, int] | None = None  # an epoch to draw again, and the batches to skip
+        self.resume: Resume | None = None  # set by CacheLoader.load_state_dict
         self._last: int | None = None  # the epoch of the last distributed shuffle (to warn of a repeat)
         self._warned = False
+        self._epochs = self._epoch_pair()  # (the dataset's, the user sampler's) when last in step
+
+    def over(self, sampler: Any) -> BatchOrder:
+        """This order's batching over another sampler's indices (for a trainer that rebuilds the loader with its
+        own sampler)."""
+        if self.user_batch_sampler is not None:
+            raise TypeError(f"this loader's batches come from its batch_sampler; it cannot take another sampler "
+                            f"({type(sampler).__name__}): build a new ds.loader(sampler=...) instead")
+        rank, size = self._placement if self._placement is not None else (None, None)
+        return BatchOrder(self.ds, batch_size=self.batch_size, shuffle=False, drop_last=self.drop_last,
+                          generator=None, sampler=sampler, rank=rank, world_size=size, seed=self.seed)
 
     # --- the split -----------------------------------------------------------------------------------------------
 
@@ -140,9 +171,10 @@ class BatchOrder(DistributedSampler):
 
     @property
     def num_samples(self) -> int:  # type: ignore[override]
-        """Indices this process reads per epoch (``DistributedSampler``'s meaning)."""
+        """Indices this process reads per epoch (``DistributedSampler``'s meaning; with a user's batch sampler,
+        those of its sampler, which it need not use whole)."""
         if self.user_batch_sampler is not None:
-            return sum(len(b) for b in self.user_batch_sampler)
+            return len(getattr(self.user_batch_sampler, "sampler", self.ds))
         if self.user_sampler is not None:
             return len(self.user_sampler)
         return math.ceil(len(self.ds) / self.num_replicas)
@@ -173,57 +205,112 @@ class BatchOrder(DistributedSampler):
         if not self.own:
             self._warn_if_whole()
         resume, self.resume = self.resume, None
-        start = resume[0] if resume is not None else self._start()
-        if resume is not None:
-            self._restore(start)
-        self.started = start
+        if resume is None:
+            start = self.start()
+        elif resume.same_epoch:
+            start = resume.start
+            self.restore(start)
+        else:
+            start = dataclasses.replace(resume.start, epoch=self.epoch, repeat=self._repeat(self.epoch))
+            self.restore(start, epoch=False)
+        self.started, self.drawn = start, (start.epoch, start.repeat)
         if self.user_batch_sampler is not None:
             batches: Any = (np.asarray(b, dtype=np.int64) for b in self.user_batch_sampler)
         else:
-            indices = self._indices(start.epoch)
+            indices = self._indices(start)
             size = self.batch_size
             if size is None:
                 batches = iter(indices.tolist())
             else:
                 stop = len(indices) - len(indices) % size if self.drop_last else len(indices)
                 batches = (indices[a:a + size] for a in range(0, stop, size))
-        skip = resume[1] if resume is not None else 0
+        skip = resume.skip if resume is not None else 0
         for number, batch in enumerate(batches):
             if number >= skip:
                 yield start.epoch, batch
 
-    def _start(self) -> EpochStart:
-        """What this epoch is drawn from, recorded before the draw."""
+    def start(self, draw: bool = True) -> EpochStart:
+        """What this epoch is drawn from, recorded before the draw. A user's ``RandomSampler`` without a generator
+        draws its seed from the global generator here (unless ``draw`` is False), as its own ``__iter__`` would, so
+        that it is recorded."""
+        self._sync_epoch()
         generator = self._generator()
-        return EpochStart(self.epoch, None if generator is None else generator.get_state(),
-                          _sampler_state(self.user_sampler or self.user_batch_sampler))
+        sampler = _sampler_state(self.user_sampler or self.user_batch_sampler)
+        if draw and type(self.user_sampler) is RandomSampler and self.user_sampler.generator is None:
+            sampler = {"seed": int(torch.empty((), dtype=torch.int64).random_().item())}
+        return EpochStart(self.epoch, None if generator is None else generator.get_state(), sampler,
+                          self._repeat(self.epoch))
 
-    def _restore(self, start: EpochStart) -> None:
-        """Puts the generator and the user's sampler back where they were when ``start`` was recorded."""
-        self.ds.set_epoch(start.epoch)
+    def _repeat(self, epoch: int) -> int:
+        """How many times ``epoch`` was read just before (its next iteration's ``pass``)."""
+        return self.drawn[1] + 1 if self.drawn is not None and self.drawn[0] == epoch else 0
+
+    def restore(self, start: EpochStart, epoch: bool = True) -> None:
+        """Puts the generator and the user's sampler back where they were when ``start`` was recorded, and with
+        ``epoch`` the dataset's epoch."""
+        if epoch:
+            self.ds.set_epoch(start.epoch)
         generator = self._generator()
         if generator is not None and start.generator is not None:
             generator.set_state(start.generator)
-        _restore_sampler(self.user_sampler or self.user_batch_sampler, start.sampler)
+        _restore_sampler(self.user_sampler or self.user_batch_sampler, start.sampler, epoch)
+        self._epochs = self._epoch_pair()
+
+    def _sampler(self) -> Any:
+        """The user's sampler, or their batch sampler's, or None."""
+        if self.user_sampler is not None:
+            return self.user_sampler
+        return getattr(self.user_batch_sampler, "sampler", None)
+
+    def _epoch_sampler(self) -> Any:
+        """The user's sampler that has an epoch (``DistributedSampler``, ``ds.sampler()``), or None."""
+        sampler = self._sampler()
+        if callable(getattr(sampler, "set_epoch", None)) and isinstance(getattr(sampler, "epoch", None), int):
+            return sampler
+        return None
+
+    def _epoch_pair(self) -> tuple[int, int] | None:
+        sampler = self._epoch_sampler()
+        return None if sampler is None else (self.epoch, sampler.epoch)
+
+    def _sync_epoch(self) -> None:
+        """Brings the dataset's epoch and a user sampler's into step before a draw, whichever was set: the
+        sampler's own ``set_epoch`` (the usual ``DistributedSampler`` loop) then also picks the dataset's variants,
+        and ``ds.set_epoch`` also reaches the sampler. Set both, differently, and the sampler's counts."""
+        sampler, last = self._epoch_sampler(), self._epochs
+        if sampler is None or last is None:
+            return
+        ours, theirs = self.epoch, sampler.epoch
+        if ours != theirs:
+            if theirs == last[1]:  # only the dataset's epoch moved
+                sampler.set_epoch(ours)
+            else:
+                self.ds.set_epoch(theirs)
+        self._epochs = self._epoch_pair()
 
     def _generator(self) -> Any:
         """The generator the epoch's order is drawn from: ours, or a user sampler's."""
         if self.own:
             return self.generator
-        sampler = self.user_sampler if self.user_sampler is not None else getattr(
-            self.user_batch_sampler, "sampler", None)
+        sampler = self._sampler()
         return getattr(sampler, "generator", None)
 
-    def _indices(self, epoch: int) -> np.ndarray:
-        """This process's indices of ``epoch``, in reading order (int64)."""
-        n = len(self.ds)
+    def _indices(self, start: EpochStart) -> np.ndarray:
+        """This process's indices of the epoch ``start`` describes, in reading order (int64)."""
+        n, epoch = len(self.ds), start.epoch
         if not self.own:
+            if start.sampler is not None and "seed" in start.sampler:  # a RandomSampler without a generator
+                generator = torch.Generator()
+                generator.manual_seed(start.sampler["seed"])
+                return epoch_indices(self.user_sampler, generator)
             return epoch_indices(self.user_sampler)
         rank, size = self.placement()
         if size == 1:
             if not self.shuffle:
                 return np.arange(n, dtype=np.int64)
-            return epoch_indices(RandomSampler(range(n), generator=self.generator))
+            if self.base is None:  # the user's generator
+                return epoch_indices(RandomSampler(range(n), generator=self.generator))
+            return np.random.default_rng([self.base, epoch % 2**64, start.repeat]).permutation(n)
         if self.shuffle:
             if self._last == epoch and not self._warned:
                 self._warned = True
@@ -236,8 +323,7 @@ class BatchOrder(DistributedSampler):
 
     def _warn_if_whole(self) -> None:
         """Warns (once) when a user's sampler gives every rank of a distributed job the whole dataset."""
-        sampler = self.user_sampler if self.user_sampler is not None else getattr(
-            self.user_batch_sampler, "sampler", None)
+        sampler = self._sampler()
         if self._warned or not isinstance(sampler, _WHOLE):
             return
         size = self.placement()[1]
@@ -264,13 +350,14 @@ def distributed_indices(n: int, rank: int, size: int, shuffle: bool, seed: int, 
     return order[rank:total:size]
 
 
-def epoch_indices(sampler: Any) -> np.ndarray:
+def epoch_indices(sampler: Any, generator: Any = None) -> np.ndarray:
     """The indices ``iter(sampler)`` would yield, as one int64 array.
 
     ``RandomSampler`` draws exactly as its ``__iter__`` does (torch 2.x): a seed from the global generator when it
     has none of its own, then one ``randperm`` per pass over the data plus one for the remainder (without
     replacement), or ``randint`` in chunks of 32 (with): the same calls on the same generator, so the same order
-    and the same generator state afterwards, without turning each index into a Python int.
+    and the same generator state afterwards, without turning each index into a Python int. ``generator``: the one
+    a ``RandomSampler`` without its own would have seeded from the global generator.
     """
     own = getattr(sampler, "epoch_indices", None)  # ShareSampler: the epoch as one array
     if own is not None:
@@ -279,7 +366,7 @@ def epoch_indices(sampler: Any) -> np.ndarray:
         return np.arange(len(sampler), dtype=np.int64)
     if type(sampler) is RandomSampler:
         n, count = len(sampler.data_source), sampler.num_samples
-        generator = sampler.generator
+        generator = sampler.generator or generator
         if generator is None:
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             generator = torch.Generator()
@@ -313,7 +400,9 @@ def _sampler_state(sampler: Any) -> dict[str, Any] | None:
     return state
 
 
-def _restore_sampler(sampler: Any, state: dict[str, Any] | None) -> None:
+def _restore_sampler(sampler: Any, state: dict[str, Any] | None, epoch: bool = True) -> None:
+    """Puts a user sampler back as ``_sampler_state`` found it; its epoch only with ``epoch`` (between epochs the
+    next epoch is the one ``set_epoch`` sets, before or after the state is loaded)."""
     if sampler is None or not state:
         return
     if "state_dict" in state:
@@ -325,5 +414,5 @@ def _restore_sampler(sampler: Any, state: dict[str, Any] | None) -> None:
             continue
         if name + "generator" in state:
             obj.generator.set_state(state[name + "generator"])
-        if name + "epoch" in state:
+        if epoch and name + "epoch" in state:
             obj.set_epoch(state[name + "epoch"])

@@ -4,11 +4,13 @@ model on ``ds.loader(shuffle=True)`` returned by a ``LightningDataModule``, reco
 Run as a script, with ``tests`` on ``PYTHONPATH`` (Lightning's ``ddp`` starts rank 1 by running this file
 again)::
 
-    python lightning_script.py OUT CACHE --strategy ddp --epochs 2 [--every 3] [--resume CKPT] [--workers N]
+    python lightning_script.py OUT CACHE --strategy ddp --epochs 2 [--every 3] [--epoch-end] [--resume CKPT]
+        [--workers N] [--devices 1 --strategy auto] [--seed S]
 
 Each rank appends ``{"rank", "epoch", "batch", "step", "indices"}`` per training batch to ``OUT/rank<R>.jsonl``;
-with ``--every K`` a checkpoint is saved every K steps as ``OUT/ckpt/step=<S>.ckpt``; ``--resume`` continues from
-one. The source logs every sample it computes to ``OUT/calls`` (``helpers.sources.Counting``).
+with ``--every K`` a checkpoint is saved every K steps as ``OUT/ckpt/step=<S>.ckpt``, with ``--epoch-end`` at each
+epoch's end as ``OUT/ckpt/epoch=<E>.ckpt``; ``--resume`` continues from one; ``--seed`` calls ``seed_everything``.
+The source logs every sample it computes to ``OUT/calls`` (``helpers.sources.Counting``).
 """
 
 from __future__ import annotations
@@ -62,16 +64,24 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=96)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--every", type=int)
+    parser.add_argument("--epoch-end", action="store_true")
     parser.add_argument("--resume")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--seed", type=int)
     args = parser.parse_args()
+    if args.seed is not None:
+        L.seed_everything(args.seed)
     callbacks = []
+    if args.epoch_end:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=os.path.join(args.out, "ckpt"), filename="{epoch}", save_top_k=-1))
     if args.every:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
             dirpath=os.path.join(args.out, "ckpt"), filename="{step}", every_n_train_steps=args.every,
             save_top_k=-1))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=args.strategy, max_epochs=args.epochs, logger=False,
-                        enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=args.strategy, max_epochs=args.epochs,
+                        logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(Model(args.out), datamodule=Data(args.cache, args.out, args.n, args.workers), ckpt_path=args.resume)
 
 

@@ -1,0 +1,198 @@
+"""``ds.loader()`` resumed from ``state_dict()``: for interruptions at several points of an epoch (before its first
+batch, within it, after its last, and at its end, as an end-of-epoch checkpoint), ``first k batches + the batches a new
+loader yields after load_state_dict(state at k)`` equals the uninterrupted run, through that epoch and the next, with
+and without workers, for every kind of order (shuffled with or without a generator, ranks, a user's sampler,
+``ds.sampler()`` over node shares, rotating or not, variants), whatever the resumed process's global random state,
+and whether the trainer calls ``set_epoch`` before ``load_state_dict`` (PyTorch Lightning) or after.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler, RandomSampler, SubsetRandomSampler
+
+from helpers.order_checks import N, epochs, labels, resumed
+from helpers.sources import ImageLabels
+from mmapcache import MmapCachedDataset
+
+
+@pytest.fixture
+def cache(cache_path: str) -> Any:
+    with MmapCachedDataset(cache_path, ImageLabels(N)) as ds:
+        ds.fill()
+        yield ds
+
+
+ORDERS: dict[str, Callable[[MmapCachedDataset], dict[str, Any]]] = {
+    "shuffle": lambda ds: {"shuffle": True},
+    "shuffle with a generator": lambda ds: {"shuffle": True, "generator": torch.Generator().manual_seed(3)},
+    "in order, drop_last": lambda ds: {"drop_last": True},
+    "rank 1 of 3": lambda ds: {"shuffle": True, "rank": 1, "world_size": 3},
+    "a user sampler": lambda ds: {"sampler": SubsetRandomSampler(range(3, 40), torch.Generator().manual_seed(5))},
+    "a distributed sampler": lambda ds: {"sampler": DistributedSampler(ds, num_replicas=2, rank=0, seed=4)},
+}
+
+
+@pytest.mark.parametrize(("workers", "set_then_load"), [(0, False), (0, True), (2, False)])
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_a_resumed_loader_yields_what_the_uninterrupted_one_would(cache: MmapCachedDataset, order: str,
+                                                                  workers: int, set_then_load: bool) -> None:
+    def make() -> Any:
+        return cache.loader(batch_size=4, num_workers=workers, **ORDERS[order](cache))
+
+    torch.manual_seed(0)
+    reference = epochs(make(), 3)
+    for epoch, k in [(0, 0), (0, 1), (1, 3), (1, len(reference[1]) - 1), (1, len(reference[1])), (0, -1)]:
+        torch.manual_seed(0)
+        head, rest = resumed(make, epoch, k, set_then_load=set_then_load)
+        assert head + rest == reference[epoch] + reference[epoch + 1], (order, epoch, k)
+
+
+@pytest.mark.parametrize("set_then_load", [False, True])
+@pytest.mark.parametrize("rotate_every", [None, 1])
+def test_resuming_variants_and_node_shares(cache_path: str, rotate_every: int | None, set_then_load: bool) -> None:
+    # A state between epochs holds ds.sampler()'s epoch; loaded after the trainer's set_epoch(next), it must not
+    # put the epoch back (the next epoch would repeat the last one's order).
+    with MmapCachedDataset(cache_path, ImageLabels(N), node_share=(1, 2), variants=2, rotate_every=rotate_every) as ds:
+        def make() -> Any:
+            return ds.loader(batch_size=3, sampler=ds.sampler(rank=0, world_size=2, seed=9))
+        reference = epochs(make(), 3)
+        for epoch, k in [(0, 2), (1, 1), (1, 4), (0, -1)]:
+            ds.set_epoch(0)
+            head, rest = resumed(make, epoch, k, set_then_load=set_then_load)
+            assert head + rest == reference[epoch] + reference[epoch + 1], (epoch, k)
+            assert ds.epoch == epoch + 1  # the variant of the epoch being read
+
+
+def test_a_state_between_epochs_starts_the_next_one(cache: MmapCachedDataset) -> None:
+    loader = cache.loader(batch_size=5, shuffle=True)
+    first = [labels(b) for b in loader]
+    state = loader.state_dict()
+    expected = [labels(b) for b in loader]
+    fresh = cache.loader(batch_size=5, shuffle=True)
+    fresh.load_state_dict(state)
+    assert [labels(b) for b in fresh] == expected != first
+
+
+@pytest.mark.parametrize("other", [{"batch_size": 5}, {"drop_last": True}, {"rank": 0, "world_size": 2},
+                                   {"shuffle": False}])
+def test_a_state_of_another_loader_is_refused(cache: MmapCachedDataset, other: dict[str, Any]) -> None:
+    loader = cache.loader(batch_size=4, shuffle=True)
+    next(iter(loader))
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match=r"saved by a loader of another shape \(.* in the state, .* here"):
+        cache.loader(**{"batch_size": 4, "shuffle": True, **other}).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"not a state of ds\.loader"):
+        loader.load_state_dict({"epoch": 0})
+
+
+def test_a_state_of_another_dataset_length_is_refused(cache: MmapCachedDataset, shm_dir: str) -> None:
+    loader = cache.loader(batch_size=4)
+    with MmapCachedDataset(os.path.join(shm_dir, "other"), ImageLabels(N + 1)) as other:
+        with pytest.raises(ValueError, match=rf"length {N} in the state, {N + 1} here"):
+            other.loader(batch_size=4).load_state_dict(loader.state_dict())
+
+
+def test_a_stream_loader_resumes_through_the_same_protocol(cache_path: str) -> None:
+    from helpers.stream_sources import Fresh
+
+    with MmapCachedDataset(cache_path, Fresh(40), stream=True, seed=2) as ds:
+        loader = ds.loader(batch_size=4)
+        it = iter(loader)
+        head = [next(it)["i"].tolist() for _ in range(3)]
+        state = loader.state_dict()
+        rest = [b["i"].tolist() for b in it]  # the run goes on past the checkpoint, then is lost
+        assert state["epoch"] == 0 and state["position"] == 12
+        again = ds.loader(batch_size=4)
+        again.load_state_dict(state)
+        assert [b["i"].tolist() for b in again] == rest  # the same positions after the checkpoint
+        assert [i for batch in head + rest for i in batch] == ds._ring.order(0).tolist()
+
+
+def test_a_state_saved_again_before_iterating_is_the_one_loaded(cache: MmapCachedDataset) -> None:
+    # A trainer that checkpoints again before the resumed loader yields a batch (validation first, a crash loop)
+    # saved "start of the epoch", and the next resume trained the interrupted epoch's first batches twice.
+    for ranks in ({}, {"rank": 0, "world_size": 2}):
+        def make() -> Any:
+            return cache.loader(batch_size=4, shuffle=True, **ranks)
+
+        torch.manual_seed(0)
+        reference = epochs(make(), 2)
+        torch.manual_seed(0)
+        first = make()
+        first.sampler.set_epoch(0)
+        list(first)
+        first.sampler.set_epoch(1)
+        batches = iter(first)
+        head = [labels(next(batches)) for _ in range(3)]
+        state = first.state_dict()
+        second = make()
+        second.load_state_dict(pickle.loads(pickle.dumps(state)))
+        again = second.state_dict()
+        assert (again["epoch"], again["batches"]) == (1, 3)
+        third = make()
+        third.load_state_dict(again)
+        assert head + [labels(b) for b in third] == reference[1]
+
+
+@pytest.mark.parametrize("k", [2, -1])
+def test_persistent_workers_resume_exactly(cache: MmapCachedDataset, k: int) -> None:
+    # Persistent workers draw their base seed once, not per epoch: a state between epochs must not assume a draw.
+    def make() -> Any:
+        return cache.loader(batch_size=5, shuffle=True, num_workers=2, persistent_workers=True,
+                            multiprocessing_context="fork")
+
+    torch.manual_seed(0)
+    reference = epochs(make(), 3)
+    torch.manual_seed(0)
+    head, rest = resumed(make, 0, k)
+    assert head + rest == reference[0] + reference[1]
+
+
+def test_a_random_sampler_without_a_generator_resumes_its_interrupted_epoch(cache: MmapCachedDataset) -> None:
+    # Such a sampler draws each epoch's seed from the global generator; the interrupted epoch's is recorded. (The
+    # epochs after it draw afresh from the resumed process's global generator, as they would without mmapcache.)
+    def make() -> Any:
+        return cache.loader(batch_size=4, sampler=RandomSampler(range(N)))
+
+    torch.manual_seed(0)
+    reference = epochs(make(), 2)
+    for epoch, k in [(0, 1), (1, 3)]:
+        torch.manual_seed(0)
+        head, rest = resumed(make, epoch, k, then=0)
+        assert head + rest == reference[epoch], (epoch, k)
+
+
+def test_a_job_restarted_at_an_epoch_end_without_a_state_reads_the_same_epochs(cache: MmapCachedDataset) -> None:
+    # PyTorch Lightning restores no loader state from an end-of-epoch checkpoint (ModelCheckpoint's default): it
+    # makes the loader again and calls set_epoch. The loader's own shuffle is a function of the epoch (and of the
+    # seed it drew from torch when made), so a job seeded alike reads what the uninterrupted one read.
+    torch.manual_seed(0)
+    reference = epochs(cache.loader(batch_size=4, shuffle=True), 3)
+    assert len({str(epoch) for epoch in reference}) == 3
+    torch.manual_seed(0)
+    assert epochs(cache.loader(batch_size=4, shuffle=True), 2, start=1) == reference[1:]
+
+
+def test_a_loop_without_set_epoch_gets_a_new_order_each_time_and_resumes_it(cache: MmapCachedDataset) -> None:
+    torch.manual_seed(0)
+    loader = cache.loader(batch_size=4, shuffle=True)
+    passes = [[labels(b) for b in loader] for _ in range(3)]
+    assert len({str(p) for p in passes}) == 3  # as DataLoader(shuffle=True) reshuffles
+    torch.manual_seed(0)
+    first = cache.loader(batch_size=4, shuffle=True)
+    list(first)
+    batches = iter(first)
+    head = [labels(next(batches)) for _ in range(2)]
+    state = first.state_dict()
+    torch.manual_seed(7)
+    second = cache.loader(batch_size=4, shuffle=True)
+    second.load_state_dict(state)
+    assert head + [labels(b) for b in second] == passes[1]
+    assert [labels(b) for b in second] == passes[2]
