@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler, RandomSampler, SubsetRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from helpers.order_checks import N, epochs, labels, resumed
 from helpers.sources import ImageLabels
@@ -196,3 +202,160 @@ def test_a_loop_without_set_epoch_gets_a_new_order_each_time_and_resumes_it(cach
     second.load_state_dict(state)
     assert head + [labels(b) for b in second] == passes[1]
     assert [labels(b) for b in second] == passes[2]
+
+
+# --- found by an adversarial review ---------------------------------------------------------------------------------
+
+
+RESUMED_TWICE: dict[str, Callable[[MmapCachedDataset], dict[str, Any]]] = {
+    "shuffle": lambda ds: {"batch_size": 4, "shuffle": True},
+    "shuffle, 2 workers": lambda ds: {"batch_size": 4, "shuffle": True, "num_workers": 2},
+    "unbatched": lambda ds: {"batch_size": None, "shuffle": True},
+    "rank 1 of 2": lambda ds: {"batch_size": 4, "shuffle": True, "rank": 1, "world_size": 2},
+    "a distributed sampler": lambda ds: {"batch_size": 4, "sampler": DistributedSampler(ds, 2, 0, seed=4)},
+    "a batch sampler": lambda ds: {"batch_sampler": BatchSampler(
+        RandomSampler(range(N), generator=torch.Generator().manual_seed(2)), 4, False)},
+}
+
+
+@pytest.mark.parametrize("order", list(RESUMED_TWICE))
+def test_a_loader_resumed_twice_in_one_epoch_yields_what_the_uninterrupted_one_would(cache: MmapCachedDataset,
+                                                                                     order: str) -> None:
+    # A job preempted twice in one epoch: the second state counted only the batches of the resumed pass, and the
+    # third run trained again on the batches between the first and second interruptions.
+    def make() -> Any:
+        return cache.loader(**RESUMED_TWICE[order](cache))
+
+    def ids(batch: Any) -> list[int]:
+        return labels(batch) if order != "unbatched" else labels((batch[0][None],))
+
+    torch.manual_seed(0)
+    reference = [ids(b) for b in make()]
+    torch.manual_seed(0)
+    read, state = [], None
+    for seed, k in [(1, 2), (2, 1), (3, 2)]:
+        loader = make()
+        if state is not None:
+            loader.load_state_dict(pickle.loads(pickle.dumps(state)))
+        torch.manual_seed(seed)
+        batches = iter(loader)
+        read += [ids(next(batches)) for _ in range(k)]
+        state = loader.state_dict()
+        assert state["batches"] == len(read)
+    loader = make()
+    loader.load_state_dict(state)
+    assert read + [ids(b) for b in loader] == reference
+
+
+GLOBAL_RNG_SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
+    "RandomSampler": lambda: {"batch_size": 3, "sampler": RandomSampler(range(N))},
+    "SubsetRandomSampler": lambda: {"batch_size": 3, "sampler": SubsetRandomSampler(range(2, 40))},
+    "WeightedRandomSampler": lambda: {"batch_size": 3, "sampler": WeightedRandomSampler([1.0] * N, 30)},
+    "BatchSampler over a RandomSampler": lambda: {"batch_sampler": BatchSampler(RandomSampler(range(N)), 3, False)},
+}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("sampler", list(GLOBAL_RNG_SAMPLERS))
+def test_a_sampler_drawing_from_the_global_generator_resumes_its_interrupted_epoch(cache: MmapCachedDataset,
+                                                                                   sampler: str,
+                                                                                   workers: int) -> None:
+    # Samplers without a generator draw from torch's global one; only RandomSampler's draw was recorded, and the
+    # others resumed another permutation: some samples twice in the epoch, others never.
+    def make() -> Any:
+        return cache.loader(num_workers=workers, **GLOBAL_RNG_SAMPLERS[sampler]())
+
+    torch.manual_seed(0)
+    reference = epochs(make(), 2)
+    for epoch, k in [(0, 2), (1, 4)]:
+        torch.manual_seed(0)
+        head, rest = resumed(make, epoch, k, then=0)
+        assert head + rest == reference[epoch], (epoch, k)
+
+
+def test_torchdatas_stateful_distributed_sampler_resumes_in_every_epoch(cache: MmapCachedDataset) -> None:
+    # Its state_dict says how far its last pass went ("all of it" at an epoch's start), not what the next draws:
+    # loaded as the epoch's start, it made the resumed epoch skip everything (a ValueError from epoch 1 on).
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    def make() -> Any:
+        return cache.loader(batch_size=3, sampler=StatefulDistributedSampler(cache, num_replicas=2, rank=1, seed=3))
+
+    reference = epochs(make(), 3)
+    for epoch, k in [(0, 2), (1, 2), (1, 0), (0, -1), (1, -1)]:
+        head, rest = resumed(make, epoch, k)
+        assert head + rest == reference[epoch] + reference[epoch + 1], (epoch, k)
+
+
+def test_in_order_false_with_workers_refuses_to_save_a_state(cache: MmapCachedDataset) -> None:
+    # Batches reach the loop out of order, so "k batches yielded" does not say which: a resume skipped the wrong
+    # ones (a slow first batch was never trained on, the one before it twice).
+    loader = cache.loader(batch_size=4, num_workers=2, in_order=False)
+    batches = iter(loader)
+    next(batches)
+    with pytest.raises(ValueError, match=r"in_order=False.*pass in_order=True"):
+        loader.state_dict()
+    del batches
+    assert len(list(cache.loader(batch_size=4, in_order=False))) == len(loader)  # without workers, in order
+
+
+@pytest.mark.parametrize(("saved", "loaded", "key"), [
+    ({"shuffle": True, "generator": "g", "num_workers": 2, "persistent_workers": True},
+     {"shuffle": True, "generator": "g", "num_workers": 2}, "seeds_workers_once"),
+    ({"shuffle": True, "rank": 0, "world_size": 2, "seed": 1},
+     {"shuffle": True, "rank": 0, "world_size": 2, "seed": 2}, "seed"),
+    ({"sampler": "subset"}, {}, "sampler_kinds"),
+])
+def test_a_state_of_a_loader_drawing_its_order_otherwise_is_refused(cache: MmapCachedDataset, saved: dict[str, Any],
+                                                                    loaded: dict[str, Any], key: str) -> None:
+    # Each was accepted, and the resumed loader read another order from the next epoch (the workers' seeds drawn
+    # from the generator once instead of each epoch), or at once (another seed; a subset read in order).
+    def make(options: dict[str, Any]) -> Any:
+        options = dict(options)
+        if options.get("generator") == "g":
+            options["generator"] = torch.Generator().manual_seed(7)
+        if options.get("sampler") == "subset":
+            options["sampler"] = SubsetRandomSampler(range(N), torch.Generator().manual_seed(1))
+        if options.get("num_workers"):
+            options["multiprocessing_context"] = "fork"
+        return cache.loader(batch_size=4, **options)
+
+    first = make(saved)
+    list(first)
+    with pytest.raises(ValueError, match=rf"another shape \({key} "):
+        make(loaded).load_state_dict(first.state_dict())
+    make(saved).load_state_dict(first.state_dict())
+
+
+def test_a_pass_left_for_the_next_epoch_is_not_resumed(cache: MmapCachedDataset) -> None:
+    # A loop that breaks out of an epoch, sets the next and checkpoints saved "epoch 0, 2 batches": the resumed job
+    # read the rest of epoch 0 as epoch 1.
+    torch.manual_seed(0)
+    loader = cache.loader(batch_size=4, shuffle=True)
+    batches = iter(loader)
+    next(batches), next(batches)
+    loader.sampler.set_epoch(1)
+    state = loader.state_dict()
+    expected = [labels(b) for b in loader]
+    resumed_loader = cache.loader(batch_size=4, shuffle=True)
+    resumed_loader.load_state_dict(state)
+    assert (state["epoch"], state["batches"]) == (1, 0)
+    assert [labels(b) for b in resumed_loader] == expected
+    assert cache.epoch == 1
+
+
+def test_a_stream_loaders_state_resumes_every_rank(cache_path: str) -> None:
+    # Lightning saves rank 0's loader state and gives it to every rank: the other ranks refused it.
+    from helpers.stream_sources import Fresh
+
+    with MmapCachedDataset(cache_path, Fresh(24), stream=True, seed=2) as ds:
+        loaders = [ds.loader(batch_size=4, rank=rank, world_size=2) for rank in range(2)]
+        iters = [iter(loader) for loader in loaders]
+        for it in iters:
+            next(it)
+        state = loaders[0].state_dict()
+        rests = [[b["i"].tolist() for b in it] for it in iters]
+        for rank in range(2):
+            again = ds.loader(batch_size=4, rank=rank, world_size=2)
+            again.load_state_dict(state)
+            assert [b["i"].tolist() for b in again] == rests[rank]

@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate, default_conve
 
 from ..errors import WorkerStartError
 from .collate import PadCollate
-from .order import BatchOrder, EpochStart, Resume
+from .order import BatchOrder
+from .resume import EpochStart, Resume
 from .stream import StreamLoader
 
 
@@ -112,7 +113,7 @@ class CacheLoader(DataLoader):
 
     def __iter__(self) -> Any:
         self._yielded, self._active = 0, False  # a new pass: an abandoned one's progress is gone
-        self.sampler.started = None  # type: ignore[attr-defined]
+        self.sampler.started, self.sampler.skipped = None, 0  # type: ignore[attr-defined]
         return _Pass(self._counted(), len(self))
 
     def _counted(self) -> Iterator[Any]:
@@ -138,23 +139,25 @@ class CacheLoader(DataLoader):
         next starts), with what its order was drawn from (``read.order``). Picklable; ``torch.save`` stores it. A
         loader given a state and not iterated since returns that state."""
         order: BatchOrder = self.sampler  # type: ignore[assignment]
+        if self.num_workers and not getattr(self, "in_order", True):
+            raise ValueError("ds.loader(in_order=False) with workers hands batches to the training loop out of order, "
+                             "so no state can say which of an epoch's batches were trained on; pass in_order=True "
+                             "(the default) to a loader whose state is saved")
         state = self._shape()
-        resume, start = order.resume, order.started
+        resume, start = order.resume, order.current() if getattr(self, "_active", False) else None
         if resume is not None:
-            state.update(epoch=resume.start.epoch if resume.same_epoch else order.epoch, batches=resume.skip,
-                         generator=resume.start.generator, sampler=resume.start.sampler,
-                         repeat=resume.start.repeat, persistent=not resume.same_epoch)
-        elif getattr(self, "_active", False) and start is not None:
-            state.update(epoch=start.epoch, batches=self._yielded, generator=start.generator, sampler=start.sampler,
-                         repeat=start.repeat, persistent=False)
+            start, batches, persistent = resume.start, resume.skip, not resume.same_epoch
+            epoch = start.epoch if resume.same_epoch else order.epoch
+        elif start is not None:
+            epoch, batches, persistent = start.epoch, order.skipped + self._yielded, False
         else:
-            now = order.start(draw=False)
+            start = order.start()
+            epoch, batches = start.epoch, 0
             # With persistent workers the next epoch draws no base seed for its workers (a resumed loader's first
             # does): the generator is then put back when the order is drawn, after that draw.
             persistent = bool(self.persistent_workers and self.num_workers and getattr(self, "_iterator", None))
-            state.update(epoch=now.epoch, batches=0, generator=now.generator, sampler=now.sampler,
-                         repeat=now.repeat, persistent=persistent)
-        state.update(base=order.base, drawn=order.drawn)
+        state.update(epoch=epoch, batches=batches, generator=start.generator, sampler=start.sampler,
+                     repeat=start.repeat, rng=start.rng, persistent=persistent, base=order.base, drawn=order.drawn)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -171,14 +174,15 @@ class CacheLoader(DataLoader):
                              "returned")
         mine = self._shape()
         differ = [f"{key} {state.get(key)!r} in the state, {mine[key]!r} here" for key in mine
-                  if state.get(key) != mine[key]]
+                  if (key in state or key in _ALWAYS) and state.get(key) != mine[key]]
         if differ:
             raise ValueError(f"this loader state was saved by a loader of another shape ({'; '.join(differ)}): "
                              "resuming from it would read another order. Resume with the same dataset length, "
-                             "batch size, drop_last, shuffle and number of ranks, or start the epoch afresh")
+                             "batch size, drop_last, shuffle, number of ranks, seed, sampler and (with a generator) "
+                             "persistent_workers, or start the epoch afresh")
         order: BatchOrder = self.sampler  # type: ignore[assignment]
         start = EpochStart(int(state["epoch"]), state.get("generator"), state.get("sampler"),
-                           int(state.get("repeat", 0)))
+                           int(state.get("repeat", 0)), state.get("rng"))
         batches = int(state["batches"])
         if order.base is not None and state.get("base") is not None:
             order.base = int(state["base"])
@@ -193,16 +197,28 @@ class CacheLoader(DataLoader):
             order.restore(start, epoch=False)
 
     def _shape(self) -> dict[str, Any]:
-        """What a state must match: the dataset's length, the batching and the split. Not the rank: every rank's
-        state is the same (the epoch and the batches each yielded), and a trainer saves one (Lightning, rank 0's)
-        from which each rank resumes its own part."""
+        """What a state must match: the dataset's length, the batching, the split and what draws the order. Not
+        the rank: every rank's state is the same (the epoch and the batches each yielded), and a trainer saves one
+        (Lightning, rank 0's) from which each rank resumes its own part."""
         order: BatchOrder = self.sampler  # type: ignore[assignment]
-        return {"format": _STATE_FORMAT, "length": len(order.ds), "batch_size": order.batch_size,
-                "drop_last": order.drop_last, "shuffle": order.shuffle, "world_size": order.num_replicas,
-                "batches_per_epoch": len(order)}
+        shape = {"format": _STATE_FORMAT, "length": len(order.ds), "batch_size": order.batch_size,
+                 "drop_last": order.drop_last, "shuffle": order.shuffle, "world_size": order.num_replicas,
+                 "batches_per_epoch": len(order),
+                 "seed": order.seed if order.own and order.shuffle else None,
+                 "sampler_kinds": [_kind(order.user_sampler), _kind(order.user_batch_sampler)]}
+        if order.own and order.shuffle and order.base is None:
+            # A generator= also gives the workers their base seed: once with persistent workers, else each epoch.
+            shape["seeds_workers_once"] = bool(self.num_workers and self.persistent_workers)
+        return shape
+
+
+def _kind(sampler: Any) -> str | None:
+    return None if sampler is None else f"{type(sampler).__module__}.{type(sampler).__qualname__}"
 
 
 _STATE_FORMAT = "mmapcache.loader/1"
+# The keys every state of this format has; the others were added later, and are compared where a state has them.
+_ALWAYS = ("format", "length", "batch_size", "drop_last", "shuffle", "world_size", "batches_per_epoch")
 
 
 def _check_workers_can_import(ds: BatchReader, kwargs: dict[str, Any]) -> None:

@@ -22,11 +22,10 @@ It is a ``DistributedSampler`` (by class; its attributes describe the current sp
 loader's sampler to ``DistributedSampler`` unless it is one (PyTorch Lightning's ``use_distributed_sampler``) leave
 it alone, and their ``set_epoch`` reaches it (it also sets the dataset's epoch, which picks variants).
 
-Resume (``ds.loader().state_dict()``): the order of an epoch is a function of what it was drawn from: the epoch,
-and the generator's state just before the draw (ours, or a user sampler's ``generator``; a user sampler with its own
-``state_dict`` is asked for it; a ``DistributedSampler``-like one for its ``epoch``). ``EpochStart`` records those
-when an epoch is drawn; a resumed epoch draws again from them and skips the batches already yielded, so it yields
-exactly what the interrupted epoch had left, and leaves the generator where the uninterrupted epoch left it.
+Resume (``ds.loader().state_dict()``): the order of an epoch is a function of what it was drawn from, recorded
+just before the draw as a ``read.resume.EpochStart``; a resumed epoch draws again from it and skips the batches
+already yielded, so it yields exactly what the interrupted epoch had left, and leaves the generator where the
+uninterrupted epoch left it.
 """
 
 from __future__ import annotations
@@ -48,8 +47,9 @@ from torch.utils.data import (
 
 from ..errors import DistributedOrderWarning, warn
 from ..store.share import job_rank_and_size
+from .resume import EpochStart, Resume, global_rng, has_epoch, restore_sampler, sampler_state
 
-__all__ = ["BatchOrder", "EpochStart", "Resume", "epoch_indices"]
+__all__ = ["BatchOrder", "epoch_indices"]
 
 
 class _Ordered(Protocol):
@@ -67,28 +67,6 @@ class _Ordered(Protocol):
 
 # Samplers that give every process the whole dataset: in a distributed job, every rank would read it all.
 _WHOLE = (RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler)
-
-
-@dataclasses.dataclass
-class EpochStart:
-    """What an epoch's order was drawn from: the dataset's epoch, and the states of the generator and of a user's
-    sampler just before the draw (for a user's ``RandomSampler`` without a generator: the seed it drew), and how
-    many times this epoch was read before."""
-
-    epoch: int
-    generator: torch.Tensor | None = None
-    sampler: dict[str, Any] | None = None
-    repeat: int = 0  # the epoch's iterations before this one (the loader's own shuffle: ``pass``)
-
-
-@dataclasses.dataclass
-class Resume:
-    """An order to draw again from ``start`` at the next iteration, skipping its first ``skip`` batches; with
-    ``same_epoch`` False, for the epoch current then (a state taken between epochs), not ``start``'s."""
-
-    start: EpochStart
-    skip: int
-    same_epoch: bool = True
 
 
 class BatchOrder(DistributedSampler):
@@ -128,6 +106,7 @@ class BatchOrder(DistributedSampler):
         self._placement = None if rank is None else (int(rank), int(world_size))  # type: ignore[arg-type]
         self.trusted = sampler is None and batch_sampler is None  # our own indices: int64 arrays, in range
         self.started: EpochStart | None = None  # the epoch being iterated, as drawn
+        self.skipped = 0  # the batches of ``started`` skipped by a resume (yielded before the interruption)
         self.resume: Resume | None = None  # set by CacheLoader.load_state_dict
         self._last: int | None = None  # the epoch of the last distributed shuffle (to warn of a repeat)
         self._warned = False
@@ -213,33 +192,41 @@ class BatchOrder(DistributedSampler):
         else:
             start = dataclasses.replace(resume.start, epoch=self.epoch, repeat=self._repeat(self.epoch))
             self.restore(start, epoch=False)
-        self.started, self.drawn = start, (start.epoch, start.repeat)
+        skip = resume.skip if resume is not None else 0
+        self.started, self.drawn, self.skipped = start, (start.epoch, start.repeat), skip
+        # A resumed epoch whose sampler drew from torch's global generator draws again from the recorded state.
+        again = start.rng if resume is not None and resume.same_epoch else None
         if self.user_batch_sampler is not None:
             batches: Any = (np.asarray(b, dtype=np.int64) for b in self.user_batch_sampler)
+            if again is not None:
+                with global_rng(again):
+                    batches = list(batches)
         else:
-            indices = self._indices(start)
+            with global_rng(again):
+                indices = self._indices(start)
             size = self.batch_size
             if size is None:
                 batches = iter(indices.tolist())
             else:
                 stop = len(indices) - len(indices) % size if self.drop_last else len(indices)
                 batches = (indices[a:a + size] for a in range(0, stop, size))
-        skip = resume.skip if resume is not None else 0
         for number, batch in enumerate(batches):
             if number >= skip:
                 yield start.epoch, batch
 
-    def start(self, draw: bool = True) -> EpochStart:
-        """What this epoch is drawn from, recorded before the draw. A user's ``RandomSampler`` without a generator
-        draws its seed from the global generator here (unless ``draw`` is False), as its own ``__iter__`` would, so
-        that it is recorded."""
+    def start(self) -> EpochStart:
+        """What this epoch is drawn from, recorded before the draw (``read.resume``)."""
         self._sync_epoch()
         generator = self._generator()
-        sampler = _sampler_state(self.user_sampler or self.user_batch_sampler)
-        if draw and type(self.user_sampler) is RandomSampler and self.user_sampler.generator is None:
-            sampler = {"seed": int(torch.empty((), dtype=torch.int64).random_().item())}
-        return EpochStart(self.epoch, None if generator is None else generator.get_state(), sampler,
-                          self._repeat(self.epoch))
+        return EpochStart(self.epoch, None if generator is None else generator.get_state(),
+                          sampler_state(self.user_sampler or self.user_batch_sampler), self._repeat(self.epoch),
+                          None if self.own else torch.get_rng_state())
+
+    def current(self) -> EpochStart | None:
+        """The epoch being iterated, unless the epoch has been set to another since it started (a loop that broke
+        out of it and went on to the next)."""
+        self._sync_epoch()
+        return self.started if self.started is not None and self.started.epoch == self.epoch else None
 
     def _repeat(self, epoch: int) -> int:
         """How many times ``epoch`` was read just before (its next iteration's ``pass``)."""
@@ -253,7 +240,7 @@ class BatchOrder(DistributedSampler):
         generator = self._generator()
         if generator is not None and start.generator is not None:
             generator.set_state(start.generator)
-        _restore_sampler(self.user_sampler or self.user_batch_sampler, start.sampler, epoch)
+        restore_sampler(self.user_sampler or self.user_batch_sampler, start.sampler, epoch)
         self._epochs = self._epoch_pair()
 
     def _sampler(self) -> Any:
@@ -265,9 +252,7 @@ class BatchOrder(DistributedSampler):
     def _epoch_sampler(self) -> Any:
         """The user's sampler that has an epoch (``DistributedSampler``, ``ds.sampler()``), or None."""
         sampler = self._sampler()
-        if callable(getattr(sampler, "set_epoch", None)) and isinstance(getattr(sampler, "epoch", None), int):
-            return sampler
-        return None
+        return sampler if has_epoch(sampler) else None
 
     def _epoch_pair(self) -> tuple[int, int] | None:
         sampler = self._epoch_sampler()
@@ -299,10 +284,6 @@ class BatchOrder(DistributedSampler):
         """This process's indices of the epoch ``start`` describes, in reading order (int64)."""
         n, epoch = len(self.ds), start.epoch
         if not self.own:
-            if start.sampler is not None and "seed" in start.sampler:  # a RandomSampler without a generator
-                generator = torch.Generator()
-                generator.manual_seed(start.sampler["seed"])
-                return epoch_indices(self.user_sampler, generator)
             return epoch_indices(self.user_sampler)
         rank, size = self.placement()
         if size == 1:
@@ -350,14 +331,14 @@ def distributed_indices(n: int, rank: int, size: int, shuffle: bool, seed: int, 
     return order[rank:total:size]
 
 
-def epoch_indices(sampler: Any, generator: Any = None) -> np.ndarray:
+def epoch_indices(sampler: Any) -> np.ndarray:
     """The indices ``iter(sampler)`` would yield, as one int64 array.
 
     ``RandomSampler`` draws exactly as its ``__iter__`` does (torch 2.x): a seed from the global generator when it
     has none of its own, then one ``randperm`` per pass over the data plus one for the remainder (without
     replacement), or ``randint`` in chunks of 32 (with): the same calls on the same generator, so the same order
-    and the same generator state afterwards, without turning each index into a Python int. ``generator``: the one
-    a ``RandomSampler`` without its own would have seeded from the global generator.
+    and the same generator state afterwards, without turning each index into a Python int. (Eagerly: a pass broken
+    off before its end has also drawn the last ``randperm``, which ``RandomSampler`` draws when it is exhausted.)
     """
     own = getattr(sampler, "epoch_indices", None)  # ShareSampler: the epoch as one array
     if own is not None:
@@ -366,7 +347,7 @@ def epoch_indices(sampler: Any, generator: Any = None) -> np.ndarray:
         return np.arange(len(sampler), dtype=np.int64)
     if type(sampler) is RandomSampler:
         n, count = len(sampler.data_source), sampler.num_samples
-        generator = sampler.generator or generator
+        generator = sampler.generator
         if generator is None:
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             generator = torch.Generator()
@@ -380,39 +361,3 @@ def epoch_indices(sampler: Any, generator: Any = None) -> np.ndarray:
             parts.append(torch.randperm(n, generator=generator)[:count % n])
         return torch.cat(parts).numpy().astype(np.int64, copy=False)
     return np.fromiter(iter(sampler), np.int64, count=len(sampler))
-
-
-def _sampler_state(sampler: Any) -> dict[str, Any] | None:
-    """What decides a user sampler's next order: its own ``state_dict``, else its generator's state and epoch."""
-    if sampler is None:
-        return None
-    if callable(getattr(sampler, "state_dict", None)) and callable(getattr(sampler, "load_state_dict", None)):
-        return {"state_dict": sampler.state_dict()}
-    state: dict[str, Any] = {}
-    inner = getattr(sampler, "sampler", None)  # a batch sampler's
-    for name, obj in (("", sampler), ("sampler_", inner)):
-        if obj is None:
-            continue
-        if isinstance(getattr(obj, "generator", None), torch.Generator):
-            state[name + "generator"] = obj.generator.get_state()
-        if callable(getattr(obj, "set_epoch", None)) and isinstance(getattr(obj, "epoch", None), int):
-            state[name + "epoch"] = obj.epoch
-    return state
-
-
-def _restore_sampler(sampler: Any, state: dict[str, Any] | None, epoch: bool = True) -> None:
-    """Puts a user sampler back as ``_sampler_state`` found it; its epoch only with ``epoch`` (between epochs the
-    next epoch is the one ``set_epoch`` sets, before or after the state is loaded)."""
-    if sampler is None or not state:
-        return
-    if "state_dict" in state:
-        sampler.load_state_dict(state["state_dict"])
-        return
-    inner = getattr(sampler, "sampler", None)
-    for name, obj in (("", sampler), ("sampler_", inner)):
-        if obj is None:
-            continue
-        if name + "generator" in state:
-            obj.generator.set_state(state[name + "generator"])
-        if epoch and name + "epoch" in state:
-            obj.set_epoch(state[name + "epoch"])

@@ -253,7 +253,8 @@ class StreamLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Moves this rank's cursor to where ``state`` was (a checkpoint restored after the run went on: the
-        positions read since are read again, computed afresh where the ring no longer holds them).
+        positions read since are read again, computed afresh where the ring no longer holds them). A state saved by
+        another rank of the same job moves this rank's cursor to the same epoch and position of its own part.
 
         Raises:
             ValueError: not a stream loader's state, or one of another dataset length, batch size or rank count.
@@ -261,7 +262,9 @@ class StreamLoader:
         if not isinstance(state, dict) or state.get("format") != _STREAM_STATE_FORMAT:
             raise ValueError(f"not a state of a stream's ds.loader() (format {_STREAM_STATE_FORMAT!r}); pass what its "
                              "state_dict() returned")
-        mine = {"length": len(self.ds), "world_size": self.ranks, "rank": self.rank, "batch_size": self.batch_size}
+        # Not the rank: ranks read their parts in step, and a trainer saves one rank's state (Lightning, rank 0's),
+        # from which each rank resumes its own cursor at the same position.
+        mine = {"length": len(self.ds), "world_size": self.ranks, "batch_size": self.batch_size}
         differ = [f"{key} {state.get(key)!r} in the state, {value!r} here" for key, value in mine.items()
                   if state.get(key) != value]
         if differ:

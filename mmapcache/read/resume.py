@@ -1,0 +1,108 @@
+"""What an epoch's order was drawn from, recorded so that a resumed loader can draw it again (``read.order``).
+
+An epoch's order is a function of the state of what it is drawn from, taken just before the draw:
+
+- the loader's own generator, or a ``generator=`` the user passed (``EpochStart.generator``);
+- a user's sampler (and a batch sampler's inner one): its ``generator`` and its ``epoch`` (``DistributedSampler``
+  and samplers like it: their order is a function of ``(seed, epoch)``), or, for another sampler with its own
+  ``state_dict``/``load_state_dict``, that state (``EpochStart.sampler``);
+- torch's global generator, for a user's sampler that has no generator of its own (``RandomSampler``,
+  ``SubsetRandomSampler`` and ``WeightedRandomSampler`` without one draw from it, as may a sampler written by
+  hand): its state before the draw (``EpochStart.rng``). A resumed epoch is drawn again with the global generator
+  put in that state for the draw and back afterwards, so the resumed process's own random state is left as it was.
+
+Not recorded: samplers that draw from another random source (``random``, ``numpy.random``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["EpochStart", "Resume", "sampler_state", "restore_sampler", "global_rng"]
+
+
+@dataclasses.dataclass
+class EpochStart:
+    """What an epoch's order was drawn from (see the module docstring), and how many times this epoch was read
+    before (the loader's own shuffle draws a new order each time)."""
+
+    epoch: int
+    generator: torch.Tensor | None = None
+    sampler: dict[str, Any] | None = None
+    repeat: int = 0
+    rng: torch.Tensor | None = None  # torch's global generator, for a user's sampler without a generator
+
+
+@dataclasses.dataclass
+class Resume:
+    """An order to draw again from ``start`` at the next iteration, skipping its first ``skip`` batches; with
+    ``same_epoch`` False, for the epoch current then (a state taken between epochs), not ``start``'s."""
+
+    start: EpochStart
+    skip: int
+    same_epoch: bool = True
+
+
+def has_epoch(sampler: Any) -> bool:
+    """Whether a sampler's order is a function of an epoch it is given (``DistributedSampler``, ``ds.sampler()``)."""
+    return callable(getattr(sampler, "set_epoch", None)) and isinstance(getattr(sampler, "epoch", None), int)
+
+
+def sampler_state(sampler: Any) -> dict[str, Any] | None:
+    """What decides a user sampler's next order: its generator's state and epoch (its own and a batch sampler's
+    inner sampler's), or, for a sampler with no epoch but a ``state_dict``, that state.
+
+    A ``state_dict`` is not asked of a sampler with an epoch: samplers like torchdata's ``StatefulDistributedSampler``
+    record there how far the last pass went (at an epoch's start, "all of it"), not what the next pass draws.
+    """
+    if sampler is None:
+        return None
+    if not has_epoch(sampler) and callable(getattr(sampler, "state_dict", None)) and callable(
+            getattr(sampler, "load_state_dict", None)):
+        return {"state_dict": sampler.state_dict()}
+    state: dict[str, Any] = {}
+    for name, obj in (("", sampler), ("sampler_", getattr(sampler, "sampler", None))):
+        if obj is None:
+            continue
+        if isinstance(getattr(obj, "generator", None), torch.Generator):
+            state[name + "generator"] = obj.generator.get_state()
+        if has_epoch(obj):
+            state[name + "epoch"] = obj.epoch
+    return state
+
+
+def restore_sampler(sampler: Any, state: dict[str, Any] | None, epoch: bool = True) -> None:
+    """Puts a user sampler back as ``sampler_state`` found it; its epoch only with ``epoch`` (between epochs the
+    next epoch is the one ``set_epoch`` sets, before or after the state is loaded)."""
+    if sampler is None or not state:
+        return
+    if "state_dict" in state:
+        sampler.load_state_dict(state["state_dict"])
+        return
+    for name, obj in (("", sampler), ("sampler_", getattr(sampler, "sampler", None))):
+        if obj is None:
+            continue
+        if name + "generator" in state:
+            obj.generator.set_state(state[name + "generator"])
+        if epoch and name + "epoch" in state:
+            obj.set_epoch(state[name + "epoch"])
+
+
+@contextlib.contextmanager
+def global_rng(state: torch.Tensor | None) -> Iterator[None]:
+    """Torch's global generator in ``state`` for the block (a recorded draw made again), then as it was before;
+    nothing with ``state`` None."""
+    if state is None:
+        yield
+        return
+    before = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(before)
