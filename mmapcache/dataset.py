@@ -346,14 +346,16 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         across the ranks of a distributed job, and resumes mid-epoch.
 
         Takes DataLoader's arguments with their usual meanings, plus ``rank``, ``world_size`` (default: the job's:
-        an initialised process group, torchrun's or SLURM's environment) and ``seed`` (the distributed shuffle's,
-        default this dataset's ``seed``). In one process it yields what ``DataLoader(self, **kwargs)`` yields (with a
-        ``collate_fn``, a ``transform`` or variable-shape fields, through the dataset's own samples). In a job of
-        several processes, without a ``sampler``, each rank reads what ``DistributedSampler(self, shuffle=shuffle,
-        seed=seed)`` gives it; call ``loader.sampler.set_epoch(epoch)`` (or ``set_epoch``) each epoch, as
-        Lightning does. ``state_dict()``/``load_state_dict()`` (torchdata's ``StatefulDataLoader`` protocol, which
-        Lightning saves in its checkpoints) resume exactly: see ``mmapcache._order``. A stream (``stream=True``)
-        returns its own loader, which reads the stream's order and resumes at the rank's cursor.
+        an initialised process group, torchrun's or SLURM's environment) and ``seed`` (the shuffle's, default this
+        dataset's ``seed``). Without a ``sampler``, each rank of a job of any number of processes reads what
+        ``DistributedSampler(self, shuffle=shuffle, seed=seed)`` gives it: the order is a function of the seed and
+        the epoch, never of torch's global generator; call ``loader.sampler.set_epoch(epoch)`` (or ``set_epoch``)
+        each epoch, as Lightning does. With a ``generator`` or a ``sampler``, one process yields what
+        ``DataLoader(self, **kwargs)`` yields. Batches are the dataset's own samples collated when there is a
+        ``collate_fn``, a ``transform`` or fields default collation cannot stack. ``state_dict()`` and
+        ``load_state_dict()`` (torchdata's ``StatefulDataLoader`` protocol, which Lightning saves in its
+        checkpoints) resume exactly: see ``mmapcache.read.order``. A stream (``stream=True``) returns its own
+        loader, which reads the stream's order and resumes at the rank's cursor.
         """
         return make_loader(self, **kwargs)
 

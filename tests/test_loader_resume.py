@@ -177,13 +177,26 @@ def test_a_random_sampler_without_a_generator_resumes_its_interrupted_epoch(cach
 
 def test_a_job_restarted_at_an_epoch_end_without_a_state_reads_the_same_epochs(cache: MmapCachedDataset) -> None:
     # PyTorch Lightning restores no loader state from an end-of-epoch checkpoint (ModelCheckpoint's default): it
-    # makes the loader again and calls set_epoch. The loader's own shuffle is a function of the epoch (and of the
-    # seed it drew from torch when made), so a job seeded alike reads what the uninterrupted one read.
+    # makes the loader again and calls set_epoch. The loader's own shuffle is a function of the seed and the epoch
+    # (it was of a seed drawn from torch's global generator: an unseeded restart read other epochs).
     torch.manual_seed(0)
     reference = epochs(cache.loader(batch_size=4, shuffle=True), 3)
     assert len({str(epoch) for epoch in reference}) == 3
-    torch.manual_seed(0)
+    torch.manual_seed(1)
     assert epochs(cache.loader(batch_size=4, shuffle=True), 2, start=1) == reference[1:]
+    assert epochs(cache.loader(batch_size=4, shuffle=True, seed=1), 2, start=1) != reference[1:]
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_one_process_shuffles_as_distributed_sampler_of_one_rank(cache: MmapCachedDataset, seed: int) -> None:
+    # The same global order on any number of ranks: one process reads what the ranks of a larger job split.
+    sampler = DistributedSampler(range(N), num_replicas=1, rank=0, seed=seed)
+    loader = cache.loader(batch_size=5, shuffle=True, seed=seed)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        loader.sampler.set_epoch(epoch)
+        expected = list(sampler)
+        assert [i for batch in loader for i in labels(batch)] == expected
 
 
 def test_a_loop_without_set_epoch_gets_a_new_order_each_time_and_resumes_it(cache: MmapCachedDataset) -> None:

@@ -2,7 +2,8 @@
 
 Owns: copying rows out under the seqlock, one sample or a batch (``reader``, ``ragged``, ``gather``), the
 collation of a batch (``collate``), ``ds.loader()`` and the order of its batches, split across ranks and resumable
-(``loader``, ``order``, and ``resume``: what an epoch's order was drawn from), ``ds.sampler()`` over node shares (``sampler``), and reading a stream (``stream``).
+(``loader``, ``order``, and ``resume``: what an epoch's order was drawn from), ``ds.sampler()`` over node shares
+(``sampler``), and reading a stream (``stream``).
 
 Imports: ``mmapcache.store``, ``mmapcache.format``, ``mmapcache.errors``; torch.
 """

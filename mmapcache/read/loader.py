@@ -81,7 +81,7 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
     else:
         reads = _Samples(ds, collate, batched=batch_size is not None or batch_sampler is not None)
     reads.order = order
-    # The order's generator also goes to the DataLoader: it draws the workers' base seed from it before the order
+    # A user's generator also goes to the DataLoader: it draws the workers' base seed from it before the order
     # draws the permutation, exactly as DataLoader(ds, generator=...) does, so both shuffle alike.
     return CacheLoader(reads, batch_size=None, sampler=order, collate_fn=_identity, generator=order.generator,
                        **kwargs)
@@ -90,7 +90,7 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
 class CacheLoader(DataLoader):
     """The DataLoader ``ds.loader()`` returns: its batches are read by ``_Batches`` (one gather per field, straight
     into the collated tensors) or ``_Samples`` (the dataset's own samples and a ``collate_fn``), in the order of its
-    ``sampler``, a ``BatchOrder`` (``mmapcache._order``: split across the ranks of a distributed job).
+    ``sampler``, a ``BatchOrder`` (``read.order``: split across the ranks of a distributed job).
 
     Without workers (and without pinning), iterating it skips DataLoader's per-batch machinery (a profiler record
     per batch, a fetcher, the collate indirection): about half the time of a batch of tiny rows. It yields the same
@@ -157,7 +157,7 @@ class CacheLoader(DataLoader):
             # does): the generator is then put back when the order is drawn, after that draw.
             persistent = bool(self.persistent_workers and self.num_workers and getattr(self, "_iterator", None))
         state.update(epoch=epoch, batches=batches, generator=start.generator, sampler=start.sampler,
-                     repeat=start.repeat, rng=start.rng, persistent=persistent, base=order.base, drawn=order.drawn)
+                     repeat=start.repeat, rng=start.rng, persistent=persistent, drawn=order.drawn)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -184,8 +184,6 @@ class CacheLoader(DataLoader):
         start = EpochStart(int(state["epoch"]), state.get("generator"), state.get("sampler"),
                            int(state.get("repeat", 0)), state.get("rng"))
         batches = int(state["batches"])
-        if order.base is not None and state.get("base") is not None:
-            order.base = int(state["base"])
         drawn = state.get("drawn")
         order.drawn = None if drawn is None else (int(drawn[0]), int(drawn[1]))
         if batches or state.get("persistent"):
@@ -206,7 +204,7 @@ class CacheLoader(DataLoader):
                  "batches_per_epoch": len(order),
                  "seed": order.seed if order.own and order.shuffle else None,
                  "sampler_kinds": [_kind(order.user_sampler), _kind(order.user_batch_sampler)]}
-        if order.own and order.shuffle and order.base is None:
+        if order.own and order.shuffle and order.generator is not None:
             # A generator= also gives the workers their base seed: once with persistent workers, else each epoch.
             shape["seeds_workers_once"] = bool(self.num_workers and self.persistent_workers)
         return shape

@@ -11,12 +11,13 @@ epoch's order is drawn when its first batch is asked for (not when iteration sta
   seed=seed)`` with its ``set_epoch``: the same permutation of ``(seed, epoch)`` on every rank, padded by repeating
   its start to a multiple of the ranks, rank ``r`` taking positions ``r, r + W, ...``; batches cut from that;
 - otherwise, with a ``generator``, ``RandomSampler(ds, generator=g)`` drawn as ``DataLoader(ds, shuffle=True,
-  generator=g)`` draws it (the same calls on ``g``); without one, a permutation of ``(base, epoch, pass)``: ``base``
-  drawn once from torch's global generator when the loader is made, ``pass`` counting the iterations of one epoch
-  (a loop that never calls ``set_epoch`` still gets a new order each time). So an epoch's order is a function of
-  its number, as ``DistributedSampler``'s is: a job restarted at an epoch's end (PyTorch Lightning restores no
-  loader state there, only calls ``set_epoch``) reads the epochs the uninterrupted job would have, when both seed
-  torch alike (``seed_everything``). ``shuffle=False``: ``SequentialSampler``'s order.
+  generator=g)`` draws it (the same calls on ``g``); without one, the one-process case of the above: the seeded
+  permutation of ``(seed, epoch)``, whole; read again without a ``set_epoch`` between, a permutation of ``(seed,
+  epoch, pass)``, ``pass`` counting the iterations of that epoch (a loop that never calls ``set_epoch`` still gets
+  a new order each time, as with ``DataLoader(shuffle=True)``). So an epoch's order is a function of the seed and
+  its number on any number of processes, never of torch's global generator: a job restarted at an epoch's end
+  (PyTorch Lightning restores no loader state there, only calls ``set_epoch``) reads the epochs the uninterrupted
+  job would have, seeded or not. ``shuffle=False``: ``SequentialSampler``'s order.
 
 It is a ``DistributedSampler`` (by class; its attributes describe the current split): trainers that give a
 loader's sampler to ``DistributedSampler`` unless it is one (PyTorch Lightning's ``use_distributed_sampler``) leave
@@ -90,14 +91,7 @@ class BatchOrder(DistributedSampler):
         self.batch_size, self.shuffle, self.drop_last = batch_size, bool(shuffle), bool(drop_last)
         self.user_sampler, self.user_batch_sampler = sampler, batch_sampler
         self.seed = ds.seed if seed is None else int(seed)
-        self.base: int | None = None  # the own shuffle's seed (see the module docstring)
-        if shuffle and generator is None and sampler is None and batch_sampler is None:
-            # One draw from the global generator now; every later epoch from this one (see the module docstring).
-            # The generator gives DataLoader its workers' base seeds.
-            self.base = int(torch.empty((), dtype=torch.int64).random_().item())
-            generator = torch.Generator()
-            generator.manual_seed(self.base)
-        self.generator = generator
+        self.generator = generator  # a user's: the order's, and DataLoader's for its workers' base seeds
         self.drawn: tuple[int, int] | None = None  # (epoch, repeat) of the last order drawn
         if (rank is None) != (world_size is None):
             raise TypeError("ds.loader() takes both rank= and world_size=, or neither (to find them in the job)")
@@ -286,13 +280,14 @@ class BatchOrder(DistributedSampler):
         if not self.own:
             return epoch_indices(self.user_sampler)
         rank, size = self.placement()
-        if size == 1:
-            if not self.shuffle:
+        if not self.shuffle:
+            if size == 1:
                 return np.arange(n, dtype=np.int64)
-            if self.base is None:  # the user's generator
-                return epoch_indices(RandomSampler(range(n), generator=self.generator))
-            return np.random.default_rng([self.base, epoch % 2**64, start.repeat]).permutation(n)
-        if self.shuffle:
+        elif size == 1 and self.generator is not None:
+            return epoch_indices(RandomSampler(range(n), generator=self.generator))
+        elif size == 1 and start.repeat:  # read again without set_epoch: a new order, as DataLoader(shuffle=True)
+            return np.random.default_rng([self.seed % 2**64, epoch % 2**64, start.repeat]).permutation(n)
+        elif size > 1:
             if self._last == epoch and not self._warned:
                 self._warned = True
                 warn(f"ds.loader(shuffle=True) in a job of {size} processes read epoch {epoch}'s order again: as "
