@@ -196,6 +196,31 @@ def test_damaged_reader_cursors_are_a_verify_finding(cache_path: str) -> None:
     assert any("rank 7 has a cursor" in p for p in result.problems)
 
 
+@pytest.mark.parametrize("word", [2**64 - 1, (5 << 32) | 10**6])
+def test_a_reader_progress_past_the_stream_is_damage(cache_path: str, word: int) -> None:
+    # Found by the damage fuzzer (seed 777001): an epoch past what a progress word can hold made the next reader's
+    # cursor overflow (a raw OverflowError); a position past the epoch was read as "the epoch is done".
+    with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
+        for _ in ds.loader(batch_size=4):
+            break
+    ring = np.memmap(os.path.join(cache_path, "ring.u64"), "<u8", mode="r+")
+    ring[9] = word  # rank 0's progress
+    ring.flush()
+    del ring
+    with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
+        with pytest.raises(CacheFormatError, match=r"rank 0's progress .* describes no place in the stream of 24"):
+            next(iter(ds.loader(batch_size=4)))
+    assert any("rank 0's cursor" in p for p in verify(cache_path).problems)
+
+
+def test_a_stream_state_past_the_last_epoch_is_refused(cache_path: str) -> None:
+    with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
+        loader = ds.loader(batch_size=4)
+        state = loader.state_dict()
+        with pytest.raises(ValueError, match=r"epoch 4294967296, position 0 is no place in this stream"):
+            loader.load_state_dict({**state, "epoch": 2**32})
+
+
 # --- 6. no private exception reaches a user -----------------------------------------------------------------------
 
 

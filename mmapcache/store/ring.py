@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import CacheFormatError
 from ..format import spec as fmt
 from .admin import holders_of
 from .files import open_file
@@ -86,16 +87,42 @@ class Ring:
         return -(-length // ranks)
 
     def progress(self, rank: int) -> tuple[int, int] | None:
-        """``(epoch, k)``: rank ``rank`` has consumed its first ``k`` positions of ``epoch``; None if it never read."""
+        """``(epoch, k)``: rank ``rank`` has consumed its first ``k`` positions of ``epoch``; None if it never read.
+
+        Raises:
+            CacheFormatError: the word describes no place in the stream (damage).
+        """
         word = int(self.words[HEADER + 2 * rank + 1])
         if word == 0:
             return None
-        return word >> _PROGRESS_BITS, (word & ((1 << _PROGRESS_BITS) - 1)) - 1
+        epoch, k = word >> _PROGRESS_BITS, (word & ((1 << _PROGRESS_BITS) - 1)) - 1
+        if not self._is_place(epoch, k):
+            directory = self.store.path
+            raise CacheFormatError(
+                f"{os.path.join(directory, fmt.RING)}: rank {rank}'s progress (epoch {epoch}, position {k}) describes "
+                f"no place in the stream of {self.length} samples; the cache is damaged: remove it (`mmapcache rm "
+                f"--force {directory}`) and build it again (`mmapcache verify {directory}` lists the damage)")
+        return epoch, k
+
+    def last_epoch(self) -> int:
+        """The last epoch whose sequence numbers (and the next epoch's, where a finished rank's cursor points) fit
+        the ring's words and a progress word's epoch bits."""
+        return min((1 << _PROGRESS_BITS) - 2, (1 << 63) // max(self.length, 1) - 2)
+
+    def _is_place(self, epoch: int, k: int) -> bool:
+        return 0 <= epoch <= self.last_epoch() and 0 <= k <= self.length
 
     def set_progress(self, rank: int, ranks: int, epoch: int, k: int) -> None:
         """Records that rank ``rank`` of ``ranks`` consumed its first ``k`` positions of ``epoch``; its cursor
         becomes the next sequence number it will read from the ring. Written by that rank alone (aligned 8-byte
-        stores: other processes see the old or the new value, never a mix)."""
+        stores: other processes see the old or the new value, never a mix).
+
+        Raises:
+            ValueError: ``epoch`` is past ``last_epoch()``, or ``k`` outside the epoch.
+        """
+        if not self._is_place(epoch, k):
+            raise ValueError(f"epoch {epoch}, position {k} is no place in this stream of {self.length} samples "
+                             f"(epochs 0 to {self.last_epoch()}, positions 0 to {self.length})")
         position = rank + k * ranks
         cursor = epoch * self.length + position if position < self.length else (epoch + 1) * self.length + rank
         self.words[HEADER + 2 * rank] = cursor + 1
@@ -113,7 +140,7 @@ class Ring:
                     found.append(f"rank {rank} has a cursor ({cursor - 1}) but never read")
                 continue
             epoch, k = word >> _PROGRESS_BITS, (word & ((1 << _PROGRESS_BITS) - 1)) - 1
-            if not 0 <= k <= n or not epoch * n <= cursor - 1 < (epoch + 2) * n:
+            if not self._is_place(epoch, k) or not epoch * n <= cursor - 1 < (epoch + 2) * n:
                 found.append(f"rank {rank}'s cursor {cursor - 1} and progress (epoch {epoch}, position {k}) do not "
                              f"describe a place in the stream of {n} samples")
         return found
