@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from helpers.sources import ImageLabels, image_of, sample_equal
-from mmapcache import CacheFormatError, CacheMismatchError, MmapCachedDataset, verify
+from mmapcache import CacheFormatError, CacheMismatchError, MmapCachedDataset, describe, verify
 from mmapcache.cli import main
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -194,6 +194,46 @@ def test_damaged_reader_cursors_are_a_verify_finding(cache_path: str) -> None:
     result = verify(cache_path)
     assert any("rank 0's cursor" in p for p in result.problems)
     assert any("rank 7 has a cursor" in p for p in result.problems)
+
+
+class Boxes(Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"boxes": torch.full((i % 4, 4), float(i)), "i": i}
+
+
+def test_an_empty_values_shape_no_array_can_have_is_damage(cache_path: str) -> None:
+    # Found by the damage fuzzer (seed 777002, case 595): a shape of (0, 2**63 - 1) holds no bytes, so it passed
+    # the extent checks, and numpy's "array is too big" ValueError reached the reader of a batch.
+    with MmapCachedDataset(cache_path, Boxes(), ragged=["boxes"]) as ds:
+        ds.fill()
+    index = np.load(os.path.join(cache_path, "boxes.index.npy"), mmap_mode="r+")
+    index[5, 2:] = [0, 2**63 - 1]
+    index.flush()
+    del index
+    with MmapCachedDataset(cache_path, Boxes(), ragged=["boxes"]) as ds:
+        with pytest.raises(CacheFormatError, match=r"row 5, field 'boxes'"):
+            ds[5]
+        with pytest.raises(CacheFormatError, match="row 5"):
+            ds.__getitems__(list(range(12)))
+    assert any("boxes.index.npy: row 5" in p for p in verify(cache_path).problems)
+
+
+def test_a_reader_cursor_past_the_last_epoch_is_damage_for_inspect(cache_path: str) -> None:
+    # Found by the damage fuzzer (seed 777002, case 64): describe overflowed int64 counting what is ready ahead of
+    # it, and closing the ring then raised BufferError over that error.
+    with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
+        for _ in ds.loader(batch_size=4):
+            break
+    ring = np.memmap(os.path.join(cache_path, "ring.u64"), "<u8", mode="r+")
+    ring[8] = 0xFFFFFFFF80000000  # rank 0's cursor
+    ring.flush()
+    del ring
+    with pytest.raises(CacheFormatError, match=r"a reader's cursor \(\d+\) is past the last epoch"):
+        describe(cache_path)
+    assert any("rank 0's cursor" in p for p in verify(cache_path).problems)
 
 
 @pytest.mark.parametrize("word", [2**64 - 1, (5 << 32) | 10**6])

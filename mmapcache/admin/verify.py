@@ -21,6 +21,7 @@ from ..errors import CacheFormatError
 from ..fill.specs import DatasetSpec
 from ..format import spec as fmt
 from ..format.codec import differing_field
+from ..read.ragged import shapeable
 from ..store.files import check_entry, read_meta
 from ..store.paths import resolve_path
 from ..store.ring import epoch_order
@@ -208,7 +209,8 @@ def _check_heaps(store: Store, complete: np.ndarray, result: VerifyResult) -> No
         fixed = np.array([d if d >= 0 else -1 for d in field.shape])
         bad = (offsets < 0) | (capacities < 0) | (shapes < 0).any(axis=1) | (nbytes > capacities) | (
             (offsets.astype(np.float64) + capacities > end) & (capacities > 0)) | (
-            offsets % field.np_dtype.itemsize != 0) | ((fixed >= 0) & (shapes != fixed)).any(axis=1)
+            offsets % field.np_dtype.itemsize != 0) | ((fixed >= 0) & (shapes != fixed)).any(axis=1) | ~shapeable(
+            shapes, field.np_dtype.itemsize)
         if bad.any():
             k = int(np.argmax(bad))
             result.problems.append(f"{where}: row {int(rows[k])} holds [offset, extent, *shape] "

@@ -40,6 +40,11 @@ def _words(index: np.ndarray) -> memoryview:
     return memoryview(index.reshape(-1)).cast("B").cast("q")  # type: ignore[arg-type]
 
 
+# No value's shape may describe this many bytes or more, even an empty one's (its other dimensions): beyond what a
+# heap can hold, and what numpy can shape.
+_MAX_VALUE = 2**52
+
+
 class Torn(Exception):
     """A ragged value's index row does not describe a value in the heap: a writer is rewriting it (the caller's
     seqlock then says so, and it reads again), or the index is damaged (``RowReader`` then raises
@@ -61,11 +66,15 @@ def ragged_reader(index: np.ndarray, heap: Heap, dtype: np.dtype) -> Callable[[i
         if ndim == 1:
             shape: tuple[int, ...] = (words[base + 2],)
             end = offset + shape[0] * itemsize
+            shaped = True
         else:
             shape = tuple(words[base + 2:base + width])
             end = offset + math.prod(shape) * itemsize
+            # An empty value's other dimensions still make its shape: one numpy cannot make (0 x 2**63) is damage.
+            shaped = math.prod(max(d, 1) for d in shape) * itemsize < _MAX_VALUE
         buf = heap.buf if end <= heap.size else heap.covering(end)
-        if offset < 0 or end > offset + capacity or end > len(buf) or min(shape) < 0 or offset % itemsize:
+        if offset < 0 or end > offset + capacity or end > len(buf) or min(shape) < 0 or offset % itemsize or (
+                not shaped):
             raise Torn(f"its index row [offset, extent, *shape] = {[offset, capacity, *shape]} describes no value "
                        f"inside the heap's {len(buf)} bytes")
         return buf[offset:end].view(dtype).reshape(shape).copy()
@@ -128,6 +137,12 @@ class RaggedColumn:
 _SLICE_BYTES = 1 << 16
 
 
+def shapeable(shapes: np.ndarray, itemsize: int) -> np.ndarray:
+    """Which index rows' shapes ``(B, ndim)`` an array can have: an empty value's other dimensions still make its
+    shape, and one numpy cannot make (``0 x 2**63``) is damage."""
+    return np.prod(np.maximum(shapes, 1), axis=1, dtype=np.float64) * itemsize < _MAX_VALUE
+
+
 def gather_ragged(field: Field, index: np.ndarray, heap: Heap, rows: np.ndarray,
                    readable: np.ndarray) -> RaggedColumn:
     """The values of ``rows`` (where ``readable``) of a ragged field, copied out of its heap in one step."""
@@ -137,7 +152,8 @@ def gather_ragged(field: Field, index: np.ndarray, heap: Heap, rows: np.ndarray,
     # Sizes in float64 first: a damaged (or torn) index row must not overflow int64 into a valid-looking extent.
     nbytes = np.prod(shapes, axis=1, dtype=np.float64) * itemsize
     ends = offsets + nbytes
-    sane = (offsets >= 0) & (shapes >= 0).all(axis=1) & (nbytes <= capacities) & (ends < 2.0**52)
+    sane = (offsets >= 0) & (shapes >= 0).all(axis=1) & (nbytes <= capacities) & (ends < 2.0**52) & shapeable(
+        shapes, itemsize)
     buf = heap.covering(int(ends[sane].max()) if sane.any() else 0)
     valid = sane & (ends <= len(buf)) & (offsets % itemsize == 0)
     use = readable & valid

@@ -20,6 +20,7 @@ Numpy only: producers started by ``mmapcache build --follow`` and ``inspect`` ne
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -97,12 +98,15 @@ class Ring:
             return None
         epoch, k = word >> _PROGRESS_BITS, (word & ((1 << _PROGRESS_BITS) - 1)) - 1
         if not self._is_place(epoch, k):
-            directory = self.store.path
-            raise CacheFormatError(
-                f"{os.path.join(directory, fmt.RING)}: rank {rank}'s progress (epoch {epoch}, position {k}) describes "
-                f"no place in the stream of {self.length} samples; the cache is damaged: remove it (`mmapcache rm "
-                f"--force {directory}`) and build it again (`mmapcache verify {directory}` lists the damage)")
+            raise self._damaged(f"rank {rank}'s progress (epoch {epoch}, position {k}) describes no place in the "
+                                f"stream of {self.length} samples")
         return epoch, k
+
+    def _damaged(self, problem: str) -> CacheFormatError:
+        directory = self.store.path
+        return CacheFormatError(f"{os.path.join(directory, fmt.RING)}: {problem}; the cache is damaged: remove it "
+                                f"(`mmapcache rm --force {directory}`) and build it again (`mmapcache verify "
+                                f"{directory}` lists the damage)")
 
     def last_epoch(self) -> int:
         """The last epoch whose sequence numbers (and the next epoch's, where a finished rank's cursor points) fit
@@ -149,7 +153,12 @@ class Ring:
         """The smallest sequence number a consumer may still read (0 before any consumer started)."""
         cursors = self.words[HEADER:HEADER + 2 * MAX_RANKS:2]
         active = cursors[cursors > 0]
-        return int(active.min()) - 1 if len(active) else 0
+        if not len(active):
+            return 0
+        low = int(active.min()) - 1
+        if low > (self.last_epoch() + 2) * self.length:  # past any sequence number a rank can have read to
+            raise self._damaged(f"a reader's cursor ({low}) is past the last epoch's sequence numbers")
+        return low
 
     def count(self, **deltas: int) -> None:
         """Adds to the counters (``served=``, ``computed=``, ``waited_ns=``, ``skipped=``) under the lock."""
@@ -229,7 +238,10 @@ class Ring:
     def close(self) -> None:
         self.claims.close()
         del self.words
-        self._map.close()
+        # Views of the words may still be alive (an exception's traceback holds the frames that took them): the map
+        # is then unmapped when the last of them goes, and a close must not replace that exception.
+        with contextlib.suppress(BufferError):
+            self._map.close()
 
 
 def producers_of(path: str) -> list[int]:
