@@ -80,7 +80,8 @@ class Captions(Dataset):
 
 
 @pytest.mark.parametrize("options", [{"max_bytes": 4000}, {"max_bytes": 20000}, {"stream": True, "max_bytes": 4000},
-                                     {"stream": True, "max_bytes": 20000, "seed": 5}])
+                                     {"stream": True, "max_bytes": 20000, "seed": 5},
+                                     {"max_bytes": 4000, "cache_indices": list(range(0, 120, 2))}])
 def test_the_same_arguments_reopen_a_cache_whose_budget_holds_ragged_fields(cache_path: str,
                                                                             options: dict[str, Any]) -> None:
     # The creator planned its slots from its probes' ragged sizes, which an opener cannot plan again: a restarted
@@ -93,9 +94,12 @@ def test_the_same_arguments_reopen_a_cache_whose_budget_holds_ragged_fields(cach
     with MmapCachedDataset(cache_path, Captions(), **options) as again:
         assert again.num_cacheable == slots and again.created is False
         assert stream or sample_equal(again[3], served)
-    if options == {"max_bytes": 4000}:  # another budget caches other samples: still refused
+    if not stream:  # another budget, or the budget without the chosen indices, caches other samples: refused
         with pytest.raises(CacheMismatchError):
             MmapCachedDataset(cache_path, Captions(), max_bytes=2000)
+    if "cache_indices" in options:
+        with pytest.raises(CacheMismatchError, match=r"\(a chosen subset\) in the cache"):
+            MmapCachedDataset(cache_path, Captions(), max_bytes=4000)
 
 
 # --- the first sample is computed once ------------------------------------------------------------------------------

@@ -182,12 +182,15 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
 
 
 def _same_max_bytes(store: Store, options: CreateOptions) -> bool:
-    """Whether ``options.max_bytes`` is the one the cache was created with, for a cache with ragged fields: its
+    """Whether ``options.max_bytes`` (and ``cache_indices``) are the ones the cache was created with, for a cache with
+    ragged fields: its
     slots were planned from the creator's probes (the bytes their ragged values take), which an opener cannot
     plan again, but the heap budget it recorded is what ``max_bytes`` left after the fixed rows."""
-    budget = store.meta["heap_budget"]
-    if budget is None or options.max_bytes is None or options.cache_indices is not None:
+    budget, chosen = store.meta["heap_budget"], options.cache_indices
+    if budget is None or options.max_bytes is None or (chosen is None) != (store.slot_index is None):
         return False
+    if chosen is not None and not np.array_equal(store.slot_index, chosen[:store.slots]):
+        return False  # cache_indices with max_bytes: the first of them that fitted
     fixed = plan_bytes(store.layout, store.rows, store.slots if store.slot_index is not None else 0)
     return options.max_bytes == budget + fixed
 
