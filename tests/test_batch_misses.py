@@ -238,7 +238,8 @@ class RefillsAndFails(RefillsOneBuffer):
 def test_a_batch_that_fails_midway_stores_no_sample_with_anothers_value(cache_path: str, ragged: bool,
                                                                          shift: bool) -> None:
     # The samples computed before the failure are stored (the work is kept), but not from the refilled buffer:
-    # they would hold the value last written into it.
+    # they would hold the value last written into it. (Ragged fields take the per-sample path, which copies each
+    # value as it comes: the baseline the batched path must match.)
     options = {"ragged": ["x"]} if ragged else {"ragged": None}
     with MmapCachedDataset(cache_path, RefillsAndFails("tensor", ragged, shift), **options) as ds:  # type: ignore[arg-type]
         failed = 0

@@ -23,7 +23,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from helpers.order_checks import N, epochs, labels, resumed
+from helpers.order_checks import N, epochs, labels, new_process, resumed
 from helpers.sources import ImageLabels
 from mmapcache import MmapCachedDataset
 
@@ -52,10 +52,10 @@ def test_a_resumed_loader_yields_what_the_uninterrupted_one_would(cache: MmapCac
     def make() -> Any:
         return cache.loader(batch_size=4, num_workers=workers, **ORDERS[order](cache))
 
-    torch.manual_seed(0)
+    new_process(0)
     reference = epochs(make(), 3)
     for epoch, k in [(0, 0), (0, 1), (1, 3), (1, len(reference[1]) - 1), (1, len(reference[1])), (0, -1)]:
-        torch.manual_seed(0)
+        new_process(0)
         head, rest = resumed(make, epoch, k, set_then_load=set_then_load)
         assert head + rest == reference[epoch] + reference[epoch + 1], (order, epoch, k)
 
@@ -128,9 +128,9 @@ def test_a_state_saved_again_before_iterating_is_the_one_loaded(cache: MmapCache
         def make() -> Any:
             return cache.loader(batch_size=4, shuffle=True, **ranks)
 
-        torch.manual_seed(0)
+        new_process(0)
         reference = epochs(make(), 2)
-        torch.manual_seed(0)
+        new_process(0)
         first = make()
         first.sampler.set_epoch(0)
         list(first)
@@ -147,16 +147,18 @@ def test_a_state_saved_again_before_iterating_is_the_one_loaded(cache: MmapCache
         assert head + [labels(b) for b in third] == reference[1]
 
 
+@pytest.mark.parametrize("generator", [False, True])
 @pytest.mark.parametrize("k", [2, -1])
-def test_persistent_workers_resume_exactly(cache: MmapCachedDataset, k: int) -> None:
-    # Persistent workers draw their base seed once, not per epoch: a state between epochs must not assume a draw.
+def test_persistent_workers_resume_exactly(cache: MmapCachedDataset, k: int, generator: bool) -> None:
+    # Persistent workers draw their base seed once, not per epoch: a state between epochs must not assume a draw
+    # (which matters with a generator=, which the order and the workers' seeds are both drawn from).
     def make() -> Any:
         return cache.loader(batch_size=5, shuffle=True, num_workers=2, persistent_workers=True,
-                            multiprocessing_context="fork")
+                            multiprocessing_context="fork",
+                            generator=torch.Generator().manual_seed(3) if generator else None)
 
-    torch.manual_seed(0)
+    new_process(0)
     reference = epochs(make(), 3)
-    torch.manual_seed(0)
     head, rest = resumed(make, 0, k)
     assert head + rest == reference[0] + reference[1]
 
@@ -167,10 +169,10 @@ def test_a_random_sampler_without_a_generator_resumes_its_interrupted_epoch(cach
     def make() -> Any:
         return cache.loader(batch_size=4, sampler=RandomSampler(range(N)))
 
-    torch.manual_seed(0)
+    new_process(0)
     reference = epochs(make(), 2)
     for epoch, k in [(0, 1), (1, 3)]:
-        torch.manual_seed(0)
+        new_process(0)
         head, rest = resumed(make, epoch, k, then=0)
         assert head + rest == reference[epoch], (epoch, k)
 
@@ -179,12 +181,25 @@ def test_a_job_restarted_at_an_epoch_end_without_a_state_reads_the_same_epochs(c
     # PyTorch Lightning restores no loader state from an end-of-epoch checkpoint (ModelCheckpoint's default): it
     # makes the loader again and calls set_epoch. The loader's own shuffle is a function of the seed and the epoch
     # (it was of a seed drawn from torch's global generator: an unseeded restart read other epochs).
-    torch.manual_seed(0)
+    new_process(0)
     reference = epochs(cache.loader(batch_size=4, shuffle=True), 3)
     assert len({str(epoch) for epoch in reference}) == 3
-    torch.manual_seed(1)
+    new_process(1)
     assert epochs(cache.loader(batch_size=4, shuffle=True), 2, start=1) == reference[1:]
+    new_process(1)
     assert epochs(cache.loader(batch_size=4, shuffle=True, seed=1), 2, start=1) != reference[1:]
+
+
+def test_a_loader_made_anew_each_epoch_without_set_epoch_still_reshuffles(cache: MmapCachedDataset) -> None:
+    # Found by a review: with the order a function of (seed, epoch), a loop that makes a loader per epoch and never
+    # calls set_epoch read the same order every epoch (DataLoader(shuffle=True) reshuffles there). A process counts
+    # the passes it drew of each epoch; a restarted one starts again from the first.
+    new_process(0)
+    made_anew = [[labels(b) for b in cache.loader(batch_size=4, shuffle=True)] for _ in range(3)]
+    assert len({str(order) for order in made_anew}) == 3
+    new_process(5)
+    one = cache.loader(batch_size=4, shuffle=True)
+    assert [[labels(b) for b in one] for _ in range(3)] == made_anew
 
 
 @pytest.mark.parametrize("seed", [0, 7])
@@ -200,17 +215,17 @@ def test_one_process_shuffles_as_distributed_sampler_of_one_rank(cache: MmapCach
 
 
 def test_a_loop_without_set_epoch_gets_a_new_order_each_time_and_resumes_it(cache: MmapCachedDataset) -> None:
-    torch.manual_seed(0)
+    new_process(0)
     loader = cache.loader(batch_size=4, shuffle=True)
     passes = [[labels(b) for b in loader] for _ in range(3)]
     assert len({str(p) for p in passes}) == 3  # as DataLoader(shuffle=True) reshuffles
-    torch.manual_seed(0)
+    new_process(0)
     first = cache.loader(batch_size=4, shuffle=True)
     list(first)
     batches = iter(first)
     head = [labels(next(batches)) for _ in range(2)]
     state = first.state_dict()
-    torch.manual_seed(7)
+    new_process(7)
     second = cache.loader(batch_size=4, shuffle=True)
     second.load_state_dict(state)
     assert head + [labels(b) for b in second] == passes[1]
@@ -242,19 +257,20 @@ def test_a_loader_resumed_twice_in_one_epoch_yields_what_the_uninterrupted_one_w
     def ids(batch: Any) -> list[int]:
         return labels(batch) if order != "unbatched" else labels((batch[0][None],))
 
-    torch.manual_seed(0)
+    new_process(0)
     reference = [ids(b) for b in make()]
-    torch.manual_seed(0)
+    new_process(0)
     read, state = [], None
     for seed, k in [(1, 2), (2, 1), (3, 2)]:
+        new_process(seed)  # each run a job of its own
         loader = make()
         if state is not None:
             loader.load_state_dict(pickle.loads(pickle.dumps(state)))
-        torch.manual_seed(seed)
         batches = iter(loader)
         read += [ids(next(batches)) for _ in range(k)]
         state = loader.state_dict()
         assert state["batches"] == len(read)
+    new_process(4)
     loader = make()
     loader.load_state_dict(state)
     assert read + [ids(b) for b in loader] == reference
@@ -278,10 +294,10 @@ def test_a_sampler_drawing_from_the_global_generator_resumes_its_interrupted_epo
     def make() -> Any:
         return cache.loader(num_workers=workers, **GLOBAL_RNG_SAMPLERS[sampler]())
 
-    torch.manual_seed(0)
+    new_process(0)
     reference = epochs(make(), 2)
     for epoch, k in [(0, 2), (1, 4)]:
-        torch.manual_seed(0)
+        new_process(0)
         head, rest = resumed(make, epoch, k, then=0)
         assert head + rest == reference[epoch], (epoch, k)
 
@@ -343,13 +359,14 @@ def test_a_state_of_a_loader_drawing_its_order_otherwise_is_refused(cache: MmapC
 def test_a_pass_left_for_the_next_epoch_is_not_resumed(cache: MmapCachedDataset) -> None:
     # A loop that breaks out of an epoch, sets the next and checkpoints saved "epoch 0, 2 batches": the resumed job
     # read the rest of epoch 0 as epoch 1.
-    torch.manual_seed(0)
+    new_process(0)
     loader = cache.loader(batch_size=4, shuffle=True)
     batches = iter(loader)
     next(batches), next(batches)
     loader.sampler.set_epoch(1)
     state = loader.state_dict()
     expected = [labels(b) for b in loader]
+    new_process(1)
     resumed_loader = cache.loader(batch_size=4, shuffle=True)
     resumed_loader.load_state_dict(state)
     assert (state["epoch"], state["batches"]) == (1, 0)
@@ -372,3 +389,68 @@ def test_a_stream_loaders_state_resumes_every_rank(cache_path: str) -> None:
             again = ds.loader(batch_size=4, rank=rank, world_size=2)
             again.load_state_dict(state)
             assert [b["i"].tolist() for b in again] == rests[rank]
+
+
+def test_a_state_of_mmapcache_0_3_is_refused_with_what_to_do(cache: MmapCachedDataset) -> None:
+    # Found by a review: 0.3's one-process shuffle was drawn from a seed taken from torch's global generator; this
+    # version draws (seed, epoch), so 0.3's "k batches of epoch e" would skip k batches of another permutation.
+    loader = cache.loader(batch_size=4, shuffle=True)
+    state = {**loader.state_dict(), "format": "mmapcache.loader/1", "batches": 3}
+    with pytest.raises(ValueError, match=r"saved by mmapcache 0\.3.*start the epoch afresh"):
+        cache.loader(batch_size=4, shuffle=True).load_state_dict(state)
+
+
+@pytest.mark.parametrize("sampler", [False, True])
+def test_a_state_of_a_loader_with_or_without_a_generator_is_refused_by_the_other(cache: MmapCachedDataset,
+                                                                                 sampler: bool) -> None:
+    # Found by a review: either way round, the state was accepted and the resumed epoch was another permutation.
+    def make(generator: bool) -> Any:
+        g = torch.Generator().manual_seed(2) if generator else None
+        if sampler:
+            return cache.loader(batch_size=4, sampler=RandomSampler(range(N), generator=g))
+        return cache.loader(batch_size=4, shuffle=True, generator=g)
+
+    for saved in (False, True):
+        loader = make(saved)
+        next(iter(loader))
+        with pytest.raises(ValueError, match=r"another shape \(.*generators \["):
+            make(not saved).load_state_dict(loader.state_dict())
+
+
+class PositionStateShuffle(torch.utils.data.Sampler):
+    """A shuffle in torchdata's Stateful protocol, written by hand: its state says how far its pass went (and its
+    generator, kept under a name of its own), and loading it makes the next pass skip that far."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.g = n, torch.Generator().manual_seed(seed)
+        self.yielded, self.next_yielded = 0, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(self.n, generator=self.g).tolist()
+        skip, self.next_yielded = self.next_yielded or 0, None
+        self.yielded = skip
+        for i in order[skip:]:
+            self.yielded += 1
+            yield i
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"yielded": self.yielded, "g": self.g.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_yielded = state["yielded"]
+        self.g.set_state(state["g"])
+
+
+def test_a_stateful_sampler_with_a_generator_resumes_by_its_generator(cache: MmapCachedDataset) -> None:
+    # Found by a review: its position state, taken at an epoch's start, said "all of the last pass": loaded, the
+    # resumed epoch skipped everything (a ValueError from epoch 1 on).
+    def make() -> Any:
+        return cache.loader(batch_size=4, sampler=PositionStateShuffle(N, 1))
+
+    reference = epochs(make(), 3)
+    for epoch, k in [(0, 2), (1, 2), (1, 0), (0, -1)]:
+        head, rest = resumed(make, epoch, k)
+        assert head + rest == reference[epoch] + reference[epoch + 1], (epoch, k)

@@ -189,7 +189,8 @@ def _same_max_bytes(store: Store, options: CreateOptions) -> bool:
     budget, chosen = store.meta["heap_budget"], options.cache_indices
     if budget is None or options.max_bytes is None or (chosen is None) != (store.slot_index is None):
         return False
-    if chosen is not None and not np.array_equal(store.slot_index, chosen[:store.slots]):
+    if chosen is not None and store.slot_index is not None and not np.array_equal(store.slot_index,
+                                                                                  chosen[:store.slots]):
         return False  # cache_indices with max_bytes: the first of them that fitted
     fixed = plan_bytes(store.layout, store.rows, store.slots if store.slot_index is not None else 0)
     return options.max_bytes == budget + fixed

@@ -19,7 +19,7 @@ ring map samples to rows differently: see their sections.)
 
 ``meta.json`` (UTF-8 JSON, written once at creation, never modified)::
 
-    {"magic": "mmapcache", "format_version": 2, "library_version": "0.3.0",
+    {"magic": "mmapcache", "format_version": 2, "library_version": "0.4.0",
      "created": "2026-11-23T03:00:00Z",      # UTC, ISO 8601
      "mode": "cache" | "stream",             # see "Stream mode"
      "share": null | {...},                  # this node's share of the indices, see "Node shares"

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate, default_conve
 from ..errors import WorkerStartError
 from .collate import PadCollate
 from .order import BatchOrder
-from .resume import EpochStart, Resume
+from .resume import EpochStart, Resume, has_generator
 from .stream import StreamLoader
 
 
@@ -169,23 +169,29 @@ class CacheLoader(DataLoader):
             ValueError: ``state`` is not a loader state, or is that of a loader over another dataset length, batch
                 size, world size or order (a silent reshuffle otherwise).
         """
+        if isinstance(state, dict) and state.get("format") == "mmapcache.loader/1":
+            raise ValueError("this loader state was saved by mmapcache 0.3, whose loader drew its shuffle from a seed "
+                             "taken from torch's global generator; this version draws it from (seed, epoch), so "
+                             "resuming from it would read another order: start the epoch afresh (load no loader "
+                             "state; the model's and optimizer's states are unaffected)")
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ValueError(f"not a state of ds.loader() (format {_STATE_FORMAT!r}); pass what its state_dict() "
                              "returned")
         mine = self._shape()
         differ = [f"{key} {state.get(key)!r} in the state, {mine[key]!r} here" for key in mine
-                  if (key in state or key in _ALWAYS) and state.get(key) != mine[key]]
+                  if state.get(key) != mine[key]]
         if differ:
             raise ValueError(f"this loader state was saved by a loader of another shape ({'; '.join(differ)}): "
                              "resuming from it would read another order. Resume with the same dataset length, "
-                             "batch size, drop_last, shuffle, number of ranks, seed, sampler and (with a generator) "
-                             "persistent_workers, or start the epoch afresh")
+                             "batch size, drop_last, shuffle, number of ranks, seed, sampler, generators and (with a "
+                             "generator) persistent_workers, or start the epoch afresh")
         order: BatchOrder = self.sampler  # type: ignore[assignment]
         start = EpochStart(int(state["epoch"]), state.get("generator"), state.get("sampler"),
                            int(state.get("repeat", 0)), state.get("rng"))
         batches = int(state["batches"])
         drawn = state.get("drawn")
-        order.drawn = None if drawn is None else (int(drawn[0]), int(drawn[1]))
+        if drawn is not None:
+            order.record_draw(int(drawn[0]), int(drawn[1]))
         if batches or state.get("persistent"):
             order.resume = Resume(start, batches, same_epoch=bool(batches))
             if batches:
@@ -202,8 +208,11 @@ class CacheLoader(DataLoader):
         shape = {"format": _STATE_FORMAT, "length": len(order.ds), "batch_size": order.batch_size,
                  "drop_last": order.drop_last, "shuffle": order.shuffle, "world_size": order.num_replicas,
                  "batches_per_epoch": len(order),
-                 "seed": order.seed if order.own and order.shuffle else None,
-                 "sampler_kinds": [_kind(order.user_sampler), _kind(order.user_batch_sampler)]}
+                 "seed": order.seed if order.own and order.shuffle and (
+                     order.generator is None or order.num_replicas > 1) else None,
+                 "sampler_kinds": [_kind(order.user_sampler), _kind(order.user_batch_sampler)],
+                 "generators": [order.generator is not None, has_generator(order.user_sampler),
+                                has_generator(getattr(order.user_batch_sampler, "sampler", None))]}
         if order.own and order.shuffle and order.generator is not None:
             # A generator= also gives the workers their base seed: once with persistent workers, else each epoch.
             shape["seeds_workers_once"] = bool(self.num_workers and self.persistent_workers)
@@ -214,9 +223,7 @@ def _kind(sampler: Any) -> str | None:
     return None if sampler is None else f"{type(sampler).__module__}.{type(sampler).__qualname__}"
 
 
-_STATE_FORMAT = "mmapcache.loader/1"
-# The keys every state of this format has; the others were added later, and are compared where a state has them.
-_ALWAYS = ("format", "length", "batch_size", "drop_last", "shuffle", "world_size", "batches_per_epoch")
+_STATE_FORMAT = "mmapcache.loader/2"  # 1: 0.3, whose own shuffle drew its seed from torch's global generator
 
 
 def _check_workers_can_import(ds: BatchReader, kwargs: dict[str, Any]) -> None:

@@ -13,8 +13,9 @@ epoch's order is drawn when its first batch is asked for (not when iteration sta
 - otherwise, with a ``generator``, ``RandomSampler(ds, generator=g)`` drawn as ``DataLoader(ds, shuffle=True,
   generator=g)`` draws it (the same calls on ``g``); without one, the one-process case of the above: the seeded
   permutation of ``(seed, epoch)``, whole; read again without a ``set_epoch`` between, a permutation of ``(seed,
-  epoch, pass)``, ``pass`` counting the iterations of that epoch (a loop that never calls ``set_epoch`` still gets
-  a new order each time, as with ``DataLoader(shuffle=True)``). So an epoch's order is a function of the seed and
+  epoch, pass)``, ``pass`` counting the iterations of that epoch by this process's loaders of the dataset (a loop
+  that never calls ``set_epoch``, or makes a loader per epoch, still gets a new order each time, as with
+  ``DataLoader(shuffle=True)``). So an epoch's order is a function of the seed and
   its number on any number of processes, never of torch's global generator: a job restarted at an epoch's end
   (PyTorch Lightning restores no loader state there, only calls ``set_epoch``) reads the epochs the uninterrupted
   job would have, seeded or not. ``shuffle=False``: ``SequentialSampler``'s order.
@@ -25,14 +26,16 @@ it alone, and their ``set_epoch`` reaches it (it also sets the dataset's epoch, 
 
 Resume (``ds.loader().state_dict()``): the order of an epoch is a function of what it was drawn from, recorded
 just before the draw as a ``read.resume.EpochStart``; a resumed epoch draws again from it and skips the batches
-already yielded, so it yields exactly what the interrupted epoch had left, and leaves the generator where the
-uninterrupted epoch left it.
+already yielded, so it yields exactly what the interrupted epoch had left, and leaves a generator of the loader's or
+the sampler's where the uninterrupted epoch left it (torch's global generator, which a sampler without one draws
+from, is put back as the resumed process had it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -48,7 +51,15 @@ from torch.utils.data import (
 
 from ..errors import DistributedOrderWarning, warn
 from ..store.share import job_rank_and_size
-from .resume import EpochStart, Resume, global_rng, has_epoch, restore_sampler, sampler_state
+from .resume import (
+    EpochStart,
+    Resume,
+    draws_globally,
+    global_rng,
+    has_epoch,
+    restore_sampler,
+    sampler_state,
+)
 
 __all__ = ["BatchOrder", "epoch_indices"]
 
@@ -66,6 +77,12 @@ class _Ordered(Protocol):
     def __len__(self) -> int: ...
 
 
+# The last pass drawn of each (epoch, rank, world size) by the own shuffles of a dataset's loaders in this process: a
+# loader made anew for an epoch already read draws its next pass, as one loader iterated again does (a loop that
+# makes a loader per epoch and never calls set_epoch still reshuffles). A new process starts at pass 0: a restart
+# reads the same order.
+_passes: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int], int]] = weakref.WeakKeyDictionary()
+
 # Samplers that give every process the whole dataset: in a distributed job, every rank would read it all.
 _WHOLE = (RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler)
 
@@ -79,7 +96,7 @@ class BatchOrder(DistributedSampler):
         shuffle, drop_last, generator: as ``DataLoader``'s.
         sampler, batch_sampler: a user's sampler or batch sampler (then ``shuffle`` is False).
         rank, world_size: this process's place in the job (default: found per epoch, ``job_rank_and_size``).
-        seed: the distributed shuffle's seed, the same on every rank (default: the dataset's ``seed``).
+        seed: the own shuffle's seed, the same on every rank (default: the dataset's ``seed``).
     """
 
     def __init__(self, ds: _Ordered, *, batch_size: int | None, shuffle: bool, drop_last: bool, generator: Any,
@@ -102,7 +119,6 @@ class BatchOrder(DistributedSampler):
         self.started: EpochStart | None = None  # the epoch being iterated, as drawn
         self.skipped = 0  # the batches of ``started`` skipped by a resume (yielded before the interruption)
         self.resume: Resume | None = None  # set by CacheLoader.load_state_dict
-        self._last: int | None = None  # the epoch of the last distributed shuffle (to warn of a repeat)
         self._warned = False
         self._epochs = self._epoch_pair()  # (the dataset's, the user sampler's) when last in step
 
@@ -187,7 +203,8 @@ class BatchOrder(DistributedSampler):
             start = dataclasses.replace(resume.start, epoch=self.epoch, repeat=self._repeat(self.epoch))
             self.restore(start, epoch=False)
         skip = resume.skip if resume is not None else 0
-        self.started, self.drawn, self.skipped = start, (start.epoch, start.repeat), skip
+        self.started, self.skipped = start, skip
+        self.record_draw(start.epoch, start.repeat)
         # A resumed epoch whose sampler drew from torch's global generator draws again from the recorded state.
         again = start.rng if resume is not None and resume.same_epoch else None
         if self.user_batch_sampler is not None:
@@ -213,8 +230,8 @@ class BatchOrder(DistributedSampler):
         self._sync_epoch()
         generator = self._generator()
         return EpochStart(self.epoch, None if generator is None else generator.get_state(),
-                          sampler_state(self.user_sampler or self.user_batch_sampler), self._repeat(self.epoch),
-                          None if self.own else torch.get_rng_state())
+                          sampler_state(self._chosen()), self._repeat(self.epoch),
+                          torch.get_rng_state() if not self.own and draws_globally(self._chosen()) else None)
 
     def current(self) -> EpochStart | None:
         """The epoch being iterated, unless the epoch has been set to another since it started (a loop that broke
@@ -223,8 +240,16 @@ class BatchOrder(DistributedSampler):
         return self.started if self.started is not None and self.started.epoch == self.epoch else None
 
     def _repeat(self, epoch: int) -> int:
-        """How many times ``epoch`` was read just before (its next iteration's ``pass``)."""
-        return self.drawn[1] + 1 if self.drawn is not None and self.drawn[0] == epoch else 0
+        """The pass of ``epoch`` its next iteration draws (the loader's own shuffle; 0 for other orders)."""
+        if not (self.own and self.shuffle):
+            return 0
+        return _passes.get(self.ds, {}).get((epoch, *self.placement()), -1) + 1
+
+    def record_draw(self, epoch: int, repeat: int) -> None:
+        """Records that pass ``repeat`` of ``epoch`` was drawn (or, from a loaded state, had been)."""
+        self.drawn = (epoch, repeat)
+        if self.own and self.shuffle:
+            _passes.setdefault(self.ds, {})[(epoch, *self.placement())] = repeat
 
     def restore(self, start: EpochStart, epoch: bool = True) -> None:
         """Puts the generator and the user's sampler back where they were when ``start`` was recorded, and with
@@ -234,8 +259,12 @@ class BatchOrder(DistributedSampler):
         generator = self._generator()
         if generator is not None and start.generator is not None:
             generator.set_state(start.generator)
-        restore_sampler(self.user_sampler or self.user_batch_sampler, start.sampler, epoch)
+        restore_sampler(self._chosen(), start.sampler, epoch)
         self._epochs = self._epoch_pair()
+
+    def _chosen(self) -> Any:
+        """The user's sampler or batch sampler, or None."""
+        return self.user_sampler if self.user_sampler is not None else self.user_batch_sampler
 
     def _sampler(self) -> Any:
         """The user's sampler, or their batch sampler's, or None."""
@@ -280,20 +309,18 @@ class BatchOrder(DistributedSampler):
         if not self.own:
             return epoch_indices(self.user_sampler)
         rank, size = self.placement()
-        if not self.shuffle:
-            if size == 1:
+        if size == 1:
+            if not self.shuffle:
                 return np.arange(n, dtype=np.int64)
-        elif size == 1 and self.generator is not None:
-            return epoch_indices(RandomSampler(range(n), generator=self.generator))
-        elif size == 1 and start.repeat:  # read again without set_epoch: a new order, as DataLoader(shuffle=True)
-            return np.random.default_rng([self.seed % 2**64, epoch % 2**64, start.repeat]).permutation(n)
-        elif size > 1:
-            if self._last == epoch and not self._warned:
-                self._warned = True
-                warn(f"ds.loader(shuffle=True) in a job of {size} processes read epoch {epoch}'s order again: as "
-                     "with DistributedSampler, the order changes with the epoch; call loader.sampler.set_epoch(epoch) "
-                     "(or ds.set_epoch(epoch)) before each epoch", DistributedOrderWarning)
-            self._last = epoch
+            if self.generator is not None:
+                return epoch_indices(RandomSampler(range(n), generator=self.generator))
+            if start.repeat:  # read again without set_epoch: a new order, as with DataLoader(shuffle=True)
+                return np.random.default_rng([self.seed % 2**64, epoch % 2**64, start.repeat]).permutation(n)
+        elif self.shuffle and start.repeat and not self._warned:
+            self._warned = True
+            warn(f"ds.loader(shuffle=True) in a job of {size} processes read epoch {epoch}'s order again: as with "
+                 "DistributedSampler, the order changes with the epoch; call loader.sampler.set_epoch(epoch) (or "
+                 "ds.set_epoch(epoch)) before each epoch", DistributedOrderWarning)
         return distributed_indices(n, rank, size, self.shuffle, self.seed, epoch)
 
 

@@ -2,10 +2,11 @@
 
 An epoch's order is a function of the state of what it is drawn from, taken just before the draw:
 
-- the loader's own generator, or a ``generator=`` the user passed (``EpochStart.generator``);
-- a user's sampler (and a batch sampler's inner one): its ``generator`` and its ``epoch`` (``DistributedSampler``
-  and samplers like it: their order is a function of ``(seed, epoch)``), or, for another sampler with its own
-  ``state_dict``/``load_state_dict``, that state (``EpochStart.sampler``);
+- the epoch, and for the loader's own shuffle the pass (``EpochStart.repeat``: an epoch read again is drawn anew);
+- a ``generator=`` the user passed (``EpochStart.generator``);
+- a user's sampler (and a batch sampler's inner one): its generators (any attribute holding a ``torch.Generator``)
+  and its ``epoch`` (``DistributedSampler`` and samplers like it: their order is a function of ``(seed, epoch)``),
+  or, for a sampler with neither but a ``state_dict``/``load_state_dict``, that state (``EpochStart.sampler``);
 - torch's global generator, for a user's sampler that has no generator of its own (``RandomSampler``,
   ``SubsetRandomSampler`` and ``WeightedRandomSampler`` without one draw from it, as may a sampler written by
   hand): its state before the draw (``EpochStart.rng``). A resumed epoch is drawn again with the global generator
@@ -23,7 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["EpochStart", "Resume", "sampler_state", "restore_sampler", "global_rng"]
+__all__ = ["EpochStart", "Resume", "has_epoch", "generators", "has_generator", "draws_globally", "sampler_state",
+           "restore_sampler", "global_rng"]
 
 
 @dataclasses.dataclass
@@ -53,24 +55,42 @@ def has_epoch(sampler: Any) -> bool:
     return callable(getattr(sampler, "set_epoch", None)) and isinstance(getattr(sampler, "epoch", None), int)
 
 
-def sampler_state(sampler: Any) -> dict[str, Any] | None:
-    """What decides a user sampler's next order: its generator's state and epoch (its own and a batch sampler's
-    inner sampler's), or, for a sampler with no epoch but a ``state_dict``, that state.
+def generators(sampler: Any) -> dict[str, torch.Generator]:
+    """A sampler's own generators, by attribute name (``generator`` as torch's samplers name it, or any other)."""
+    return {name: value for name, value in getattr(sampler, "__dict__", {}).items()
+            if isinstance(value, torch.Generator)}
 
-    A ``state_dict`` is not asked of a sampler with an epoch: samplers like torchdata's ``StatefulDistributedSampler``
-    record there how far the last pass went (at an epoch's start, "all of it"), not what the next pass draws.
+
+def has_generator(sampler: Any) -> bool:
+    return bool(generators(sampler))
+
+
+def draws_globally(sampler: Any) -> bool:
+    """Whether a user's sampler (or a batch sampler's inner one) may draw from torch's global generator: it has no
+    generator of its own and no epoch to be a function of."""
+    inner = getattr(sampler, "sampler", None)
+    return not any(has_generator(s) or has_epoch(s) for s in (sampler, inner) if s is not None)
+
+
+def sampler_state(sampler: Any) -> dict[str, Any] | None:
+    """What decides a user sampler's next order: its generators' states and its epoch (its own and a batch
+    sampler's inner sampler's), or, for a sampler with neither but a ``state_dict``, that state.
+
+    A ``state_dict`` is asked only of such a sampler: samplers in torchdata's protocol (``StatefulDistributedSampler``,
+    its ``RandomSampler``, many written by hand) record there how far the last pass went (at an epoch's start, "all
+    of it"), not what the next pass draws, which their epoch or generators decide.
     """
     if sampler is None:
         return None
-    if not has_epoch(sampler) and callable(getattr(sampler, "state_dict", None)) and callable(
-            getattr(sampler, "load_state_dict", None)):
+    if not (has_epoch(sampler) or has_generator(sampler)) and callable(getattr(sampler, "state_dict", None)) and \
+            callable(getattr(sampler, "load_state_dict", None)):
         return {"state_dict": sampler.state_dict()}
     state: dict[str, Any] = {}
     for name, obj in (("", sampler), ("sampler_", getattr(sampler, "sampler", None))):
         if obj is None:
             continue
-        if isinstance(getattr(obj, "generator", None), torch.Generator):
-            state[name + "generator"] = obj.generator.get_state()
+        if has_generator(obj):
+            state[name + "generators"] = {attr: g.get_state() for attr, g in generators(obj).items()}
         if has_epoch(obj):
             state[name + "epoch"] = obj.epoch
     return state
@@ -87,8 +107,8 @@ def restore_sampler(sampler: Any, state: dict[str, Any] | None, epoch: bool = Tr
     for name, obj in (("", sampler), ("sampler_", getattr(sampler, "sampler", None))):
         if obj is None:
             continue
-        if name + "generator" in state:
-            obj.generator.set_state(state[name + "generator"])
+        for attr, generator_state in state.get(name + "generators", {}).items():
+            getattr(obj, attr).set_state(generator_state)
         if epoch and name + "epoch" in state:
             obj.set_epoch(state[name + "epoch"])
 

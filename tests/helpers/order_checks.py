@@ -24,6 +24,17 @@ def labels(batch: Any) -> list[int]:
     return [_index_of[bytes(image.reshape(-1)[:16].tolist())] for image in batch[0]]
 
 
+def new_process(seed: int | None = None) -> None:
+    """What a restarted job starts from: a global random state of its own (``seed``), and no epoch read yet by this
+    process's loaders (``ds.loader``'s own shuffle draws the next pass of an epoch this process read before)."""
+    from mmapcache.read import order
+
+    order._passes.clear()
+    if seed is not None:
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+
+
 def epochs(loader: Any, count: int, start: int = 0) -> list[list[list[int]]]:
     """``count`` epochs of ``loader`` from ``start``, ``loader.sampler.set_epoch`` before each (a trainer's loop)."""
     out = []
@@ -41,6 +52,7 @@ def resumed(make: Callable[[], Any], epoch: int, k: int, then: int = 1,
     The resumed loop calls ``set_epoch(epoch)`` after ``load_state_dict`` (a hand-written loop), or before it with
     ``set_then_load`` (PyTorch Lightning); ``k == -1`` saves the state after the whole epoch (a checkpoint at the
     epoch's end), and the resumed loop starts at the next epoch."""
+    new_process()
     first = make()
     for earlier in range(epoch):  # the epochs before, read whole
         first.sampler.set_epoch(earlier)
@@ -49,8 +61,7 @@ def resumed(make: Callable[[], Any], epoch: int, k: int, then: int = 1,
     batches = iter(first)
     head = [labels(b) for b in batches] if k == -1 else [labels(next(batches)) for _ in range(k)]
     state = pickle.loads(pickle.dumps(first.state_dict()))  # what a checkpoint holds
-    torch.manual_seed(12345)  # the resumed process's global generator is not the interrupted one's
-    np.random.seed(12345)
+    new_process(12345)  # the resumed process's global generator is not the interrupted one's
     second = make()
     rest: list[Any] = []
     start = epoch + 1 if k == -1 else epoch
