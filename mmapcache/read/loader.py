@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, default_convert
 
 from ..errors import WorkerStartError
@@ -112,25 +111,19 @@ class CacheLoader(DataLoader):
         super().__init__(dataset, *args, **kwargs)
 
     def __iter__(self) -> Any:
-        self._yielded, self._active = 0, False  # a new pass: an abandoned one's progress is gone
-        self.sampler.started, self.sampler.skipped = None, 0  # type: ignore[attr-defined]
-        return _Pass(self._counted(), len(self))
-
-    def _counted(self) -> Iterator[Any]:
-        """The batches, counting those handed to the caller (what a state records: not a worker's prefetch)."""
-        self._active = True
-        batches = super().__iter__() if self.num_workers or self.pin_memory else self._direct()
-        for batch in batches:
-            self._yielded += 1
-            yield batch
-        self._active = False
-
-    def _direct(self) -> Iterator[Any]:
-        keys = iter(self.sampler)
-        torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # DataLoader's base seed
-        dataset = self.dataset
-        for key in keys:
-            yield dataset[key]
+        order: BatchOrder = self.sampler  # type: ignore[assignment]
+        order.started, order.skipped = None, 0
+        batches: Iterator[Any]
+        if self.num_workers or self.pin_memory:
+            order.draws_base_seed = False
+            batches = super().__iter__()
+        else:
+            # No DataLoader iterator draws the workers' base seed from the generator: the order draws it first, at
+            # the first batch, as DataLoader's iterator would just before (so both shuffle alike).
+            order.draws_base_seed = True
+            batches = map(self.dataset.__getitem__, order)
+        self._pass = _Pass(batches, len(self))  # a new pass: an abandoned one's progress is gone
+        return self._pass
 
     # --- resuming ------------------------------------------------------------------------------------------------
 
@@ -144,20 +137,24 @@ class CacheLoader(DataLoader):
                              "so no state can say which of an epoch's batches were trained on; pass in_order=True "
                              "(the default) to a loader whose state is saved")
         state = self._shape()
-        resume, start = order.resume, order.current() if getattr(self, "_active", False) else None
+        current = getattr(self, "_pass", None)
+        resume, start = order.resume, order.current() if current is not None and current.active else None
+        # in_epoch: the state is of an epoch whose order was drawn (mid-epoch, or drawn by workers' prefetch before
+        # its first batch was handed out), not of the next one.
         if resume is not None:
-            start, batches, persistent = resume.start, resume.skip, not resume.same_epoch
-            epoch = start.epoch if resume.same_epoch else order.epoch
+            start, batches, in_epoch = resume.start, resume.skip, resume.same_epoch
+            epoch, persistent = start.epoch if in_epoch else order.epoch, not in_epoch
         elif start is not None:
-            epoch, batches, persistent = start.epoch, order.skipped + self._yielded, False
+            epoch, batches, persistent = start.epoch, order.skipped + current.yielded, False  # type: ignore[union-attr]
+            in_epoch = True
         else:
             start = order.start()
-            epoch, batches = start.epoch, 0
+            epoch, batches, in_epoch = start.epoch, 0, False
             # With persistent workers the next epoch draws no base seed for its workers (a resumed loader's first
             # does): the generator is then put back when the order is drawn, after that draw.
             persistent = bool(self.persistent_workers and self.num_workers and getattr(self, "_iterator", None))
         state.update(epoch=epoch, batches=batches, generator=start.generator, sampler=start.sampler,
-                     repeat=start.repeat, rng=start.rng, persistent=persistent, drawn=order.drawn)
+                     repeat=start.repeat, rng=start.rng, in_epoch=in_epoch, persistent=persistent, drawn=order.drawn)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -192,9 +189,10 @@ class CacheLoader(DataLoader):
         drawn = state.get("drawn")
         if drawn is not None:
             order.record_draw(int(drawn[0]), int(drawn[1]))
-        if batches or state.get("persistent"):
-            order.resume = Resume(start, batches, same_epoch=bool(batches))
-            if batches:
+        in_epoch = bool(state["in_epoch"])
+        if in_epoch or state.get("persistent"):
+            order.resume = Resume(start, batches, same_epoch=in_epoch)
+            if in_epoch:
                 order.ds.set_epoch(start.epoch)
         else:
             order.resume = None
@@ -262,25 +260,31 @@ def _identity(batch: Any) -> Any:
 
 
 class _Pass(Iterator[Any]):
-    """One pass over a ``CacheLoader``: an iterator with a length, as DataLoader's own."""
+    """One pass over a ``CacheLoader``: an iterator with a length, as DataLoader's own, that counts the batches it
+    handed to the caller (what a state records: not a worker's prefetch)."""
 
     def __init__(self, batches: Iterator[Any], length: int) -> None:
-        self._batches, self._length = batches, length
+        self._next, self._length = batches.__next__, length
+        self.yielded, self.active = 0, True
 
     def __next__(self) -> Any:
-        return next(self._batches)
+        try:
+            batch = self._next()
+        except StopIteration:
+            self.active = False
+            raise
+        self.yielded += 1
+        return batch
 
     def __len__(self) -> int:
         return self._length
 
 
-def _batch_key(key: Any) -> tuple[int, Any]:
-    if not isinstance(key, tuple) or len(key) != 2:
-        raise TypeError(
-            f"ds.loader()'s dataset is read by (epoch, indices) keys from its own sampler, not {key!r}: to index "
-            "samples, use the MmapCachedDataset itself (ds[i]); to iterate with another sampler, pass it as "
-            "ds.loader(sampler=...) or use torch.utils.data.DataLoader(ds, ...)")
-    return key
+def _not_a_batch_key(key: Any) -> TypeError:
+    return TypeError(
+        f"ds.loader()'s dataset is read by (epoch, indices) keys from its own sampler, not {key!r}: to index "
+        "samples, use the MmapCachedDataset itself (ds[i]); to iterate with another sampler, pass it as "
+        "ds.loader(sampler=...) or use torch.utils.data.DataLoader(ds, ...)")
 
 
 class _Reads(Dataset):
@@ -302,7 +306,10 @@ class _Batches(_Reads):
         self.trusted = trusted
 
     def __getitem__(self, key: tuple[int, Any]) -> Any:
-        epoch, indices = _batch_key(key)
+        try:
+            epoch, indices = key
+        except (TypeError, ValueError):
+            raise _not_a_batch_key(key) from None
         return self.ds.read_batch(indices, epoch, self.pad, trusted=self.trusted)
 
     def __len__(self) -> int:
@@ -320,7 +327,10 @@ class _Samples(_Reads):
         self.collate = collate if collate is not None else default_collate if batched else default_convert
 
     def __getitem__(self, key: tuple[int, Any]) -> Any:
-        _, indices = _batch_key(key)
+        try:
+            _, indices = key
+        except (TypeError, ValueError):
+            raise _not_a_batch_key(key) from None
         if not self.batched:
             return self.collate(self.ds[indices])
         return self.collate(self.ds.__getitems__(indices.tolist()))

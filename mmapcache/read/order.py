@@ -34,6 +34,7 @@ from, is put back as the resumed process had it).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import weakref
 from collections.abc import Iterator
@@ -118,6 +119,7 @@ class BatchOrder(DistributedSampler):
         self.trusted = sampler is None and batch_sampler is None  # our own indices: int64 arrays, in range
         self.started: EpochStart | None = None  # the epoch being iterated, as drawn
         self.skipped = 0  # the batches of ``started`` skipped by a resume (yielded before the interruption)
+        self.draws_base_seed = False  # set by a loader without workers: draw DataLoader's workers' base seed first
         self.resume: Resume | None = None  # set by CacheLoader.load_state_dict
         self._warned = False
         self._epochs = self._epoch_pair()  # (the dataset's, the user sampler's) when last in step
@@ -193,6 +195,8 @@ class BatchOrder(DistributedSampler):
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         if not self.own:
             self._warn_if_whole()
+        if self.draws_base_seed:
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         resume, self.resume = self.resume, None
         if resume is None:
             start = self.start()
@@ -217,13 +221,11 @@ class BatchOrder(DistributedSampler):
                 indices = self._indices(start)
             size = self.batch_size
             if size is None:
-                batches = iter(indices.tolist())
+                batches = indices.tolist()
             else:
                 stop = len(indices) - len(indices) % size if self.drop_last else len(indices)
-                batches = (indices[a:a + size] for a in range(0, stop, size))
-        for number, batch in enumerate(batches):
-            if number >= skip:
-                yield start.epoch, batch
+                batches = [indices[a:a + size] for a in range(0, stop, size)]
+        yield from zip(itertools.repeat(start.epoch), itertools.islice(batches, skip, None))
 
     def start(self) -> EpochStart:
         """What this epoch is drawn from, recorded before the draw (``read.resume``)."""
