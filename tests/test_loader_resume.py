@@ -163,20 +163,6 @@ def test_persistent_workers_resume_exactly(cache: MmapCachedDataset, k: int, gen
     assert head + rest == reference[0] + reference[1]
 
 
-def test_a_random_sampler_without_a_generator_resumes_its_interrupted_epoch(cache: MmapCachedDataset) -> None:
-    # Such a sampler draws each epoch's seed from the global generator; the interrupted epoch's is recorded. (The
-    # epochs after it draw afresh from the resumed process's global generator, as they would without mmapcache.)
-    def make() -> Any:
-        return cache.loader(batch_size=4, sampler=RandomSampler(range(N)))
-
-    new_process(0)
-    reference = epochs(make(), 2)
-    for epoch, k in [(0, 1), (1, 3)]:
-        new_process(0)
-        head, rest = resumed(make, epoch, k, then=0)
-        assert head + rest == reference[epoch], (epoch, k)
-
-
 def test_a_job_restarted_at_an_epoch_end_without_a_state_reads_the_same_epochs(cache: MmapCachedDataset) -> None:
     # PyTorch Lightning restores no loader state from an end-of-epoch checkpoint (ModelCheckpoint's default): it
     # makes the loader again and calls set_epoch. The loader's own shuffle is a function of the seed and the epoch
