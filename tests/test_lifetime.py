@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from helpers.processes import join_all, running
 from helpers.sources import ImageLabels, sample_equal
-from mmapcache import CacheNotFoundError, MmapCachedDataset
+from mmapcache import CacheInUseError, CacheNotFoundError, MmapCachedDataset, remove
 from mmapcache.store import admin as _admin
 from mmapcache.store import create as _create
 from mmapcache.store import files as _files
@@ -122,6 +122,20 @@ def test_single_user_close_removes(cache_path: str) -> None:
     ds.close()
     assert not os.path.exists(cache_path)
     assert os.listdir(os.path.dirname(cache_path)) == []  # no temporary or .deleting leftovers
+
+
+def test_remove_refuses_a_cache_this_process_has_open_until_it_is_closed(cache_path: str) -> None:
+    # remove() counted every user but its own process: a script that still read the cache lost it and failed at
+    # its next miss. The docs promise CacheInUseError naming the pids, and force as the way through.
+    ds = MmapCachedDataset(cache_path, ImageLabels(8))
+    with pytest.raises(CacheInUseError, match=f"process\\(es\\) {os.getpid()} \\(this process") as raised:
+        remove(cache_path)
+    assert raised.value.users == (os.getpid(),)
+    assert _files.is_cache(cache_path) and sample_equal(ds[3], ImageLabels(8)[3])
+    ds.close()
+    assert remove(cache_path) == [os.path.realpath(cache_path)] and not os.path.exists(cache_path)
+    with MmapCachedDataset(cache_path, ImageLabels(8)):
+        assert remove(cache_path, force=True) and not os.path.exists(cache_path)
 
 
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3))))

@@ -100,11 +100,13 @@ def _check_removable(path: str, force: bool) -> str:
             raise CacheFormatError(f"{path} does not look like a valid cache ({exc}); refusing to remove it"
                                    + ("" if force else "; if it is a damaged cache, force it (`mmapcache rm "
                                       "--force`)")) from None
-    users = [pid for pid in users_of(path) if pid != os.getpid()]
+    users = users_of(path)
     if users and not force:
-        raise CacheInUseError(f"{path} is in use by process(es) {', '.join(map(str, users))}; stop them, or force "
-                              "the removal (`mmapcache rm --force`): they keep reading the pages they mapped",
-                              users=tuple(users))
+        mine = " (this process among them: close what it opened first, e.g. ds.close())" \
+            if os.getpid() in users else ""
+        raise CacheInUseError(f"{path} is in use by process(es) {', '.join(map(str, users))}{mine}; stop them, or "
+                              "force the removal (`mmapcache rm --force`, remove(..., force=True)): they keep "
+                              "reading the pages they mapped", users=tuple(users))
     return path
 
 
