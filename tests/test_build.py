@@ -235,6 +235,32 @@ def test_follow_refills_rows_marked_stale_elsewhere_then_exits_on_sigterm(cache_
     assert "filled 2," in stdout.strip().splitlines()[-1] and "(interrupted)" in stdout
 
 
+@pytest.mark.parametrize("n", [400, 3000])  # chunks of 1 row, and of 11 (the probes share chunks with rows to fill)
+def test_a_creating_build_interrupted_early_counts_what_it_stored(cache_path: str, tmp_path, n: int) -> None:
+    # The samples the creation stored (the first and the layout probes) were taken off `skipped` even when the
+    # interrupted workers never counted them there ("filled 8, skipped -8"), and rows the workers stored after the
+    # interrupt were not counted at all.
+    log = tmp_path / "calls"
+    proc = subprocess.Popen([sys.executable, "-m", "mmapcache", "build", cache_path, "--dataset", f"{SPEC}:images",
+                             "--kwargs", f'{{"n": {n}, "delay": 0.05, "log": "{log}"}}', "--workers", "1"],
+                            env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while (not log.exists() or len(log.read_text().split()) < 12) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        kill_alive([proc])
+    assert proc.returncode == 130, stderr
+    summary = stdout.strip().splitlines()[-1]
+    assert "(interrupted)" in summary, summary
+    filled = int(summary.split("filled ")[1].split(",")[0])
+    skipped = int(summary.split("skipped ")[1].split(" ")[0])
+    with MmapCachedDataset(cache_path) as ds:
+        assert (filled, skipped) == (ds.num_cached, 0), summary  # nothing else wrote to the new cache
+
+
 @pytest.mark.parametrize("how", ["kill", "exit"])
 def test_a_sample_that_kills_its_worker_is_named_and_skipped(cache_path: str, capsys: pytest.CaptureFixture[str],
                                                              how: str) -> None:

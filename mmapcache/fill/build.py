@@ -168,11 +168,9 @@ def build(
             report.marked_stale = _mark_stale(store, refresh, report.refresh_seed)
         plan = Plan(path, spec, chunk_rows(store.rows), start, stop, fail_fast)
         driver = Driver(store, plan, workers, shard, report, progress, out or sys.stdout, started)
-        # This run created the cache, and stored its first sample and layout probes then: filled by us.
-        made = int(store.state.filled_rows(driver.rows).sum()) if created else 0
+        if created:
+            driver.created()
         driver.run(follow)
-        report.filled += made
-        report.skipped -= made
     finally:
         _release(store)
         report.elapsed = time.monotonic() - started

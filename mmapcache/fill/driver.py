@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -107,6 +107,20 @@ class Driver:
         self.total = 0
         self.following = False
         self.missing = 0
+        self.reported = 0  # tasks the current pass has reported so far
+        self.made: dict[int, int] = {}  # chunk -> rows this build stored when it created the cache
+
+    def created(self) -> None:
+        """This build created the cache: the rows filled now (its first sample and layout probes) are filled by this
+        build, not skipped, wherever the count of their chunk's done rows arrives from (or never, if interrupted)."""
+        rows = self.rows[self.store.state.filled_rows(self.rows, self.rowmap.keys_of(self.rows))]
+        self.report.filled += len(rows)
+        chunks, counts = np.unique(rows // self.plan.chunk, return_counts=True)
+        self.made = dict(zip(chunks.tolist(), counts.tolist()))
+
+    def _skipped(self, done: int, chunks: Iterable[int]) -> None:
+        """Counts ``done`` rows of ``chunks`` found done as skipped, less those this build stored creating it."""
+        self.report.skipped += done - sum(self.made.pop(int(c), 0) for c in chunks)
 
     def _todo_chunks(self) -> tuple[np.ndarray, int, int]:
         """Chunks holding rows that are unfilled or stale (failed ones excluded); how many of this build's rows
@@ -123,7 +137,8 @@ class Driver:
 
     def run(self, follow: bool) -> None:
         chunks, self.total, done = self._todo_chunks()
-        self.report.skipped += done  # the rows in `chunks` that are done are counted by the workers
+        # the rows in `chunks` that are done are counted by the workers
+        self._skipped(done, set(self.made) - set(chunks.tolist()))
         try:
             self._start_progress()
             busy = self._round(chunks, wait=False)
@@ -160,7 +175,12 @@ class Driver:
         while tasks:
             workers = min(self.workers, len(tasks))
             todo_before = self._todo_mask()
-            reported, died = self._pass(tasks, wait, workers, busy)
+            try:
+                reported, died = self._pass(tasks, wait, workers, busy)
+            except KeyboardInterrupt:
+                # The workers are shut down: what they stored for tasks they never reported is this build's too.
+                self._count_lost_results(tasks[self.reported:self.reported + workers * _PREFETCH], todo_before)
+                raise
             if not died or self._stop():
                 break
             in_flight = tasks[reported:reported + workers * _PREFETCH]
@@ -183,7 +203,7 @@ class Driver:
         self.report.filled += stored
         self.report.bytes += stored * self.row_bytes
         if not self.following:
-            self.report.skipped += int((~was_todo).sum())
+            self._skipped(int((~was_todo).sum()), [chunk for chunk, _ in tasks])
 
     def _pass(self, tasks: list[Task], wait: bool, workers: int, busy: list[int]) -> tuple[int, bool]:
         """Runs ``tasks`` on ``workers`` DataLoader workers; returns how many reported, and whether one died.
@@ -195,11 +215,11 @@ class Driver:
             Filler(self.plan, tasks, wait), batch_size=None, shuffle=False,  # type: ignore[arg-type]
             num_workers=workers, collate_fn=_identity, prefetch_factor=_PREFETCH,
             worker_init_fn=functools.partial(_watch_parent, os.getpid()))
-        reported = 0
+        reported = self.reported = 0
         it: Iterator[dict[str, Any]] = iter(loader)
         try:
             for result in it:
-                reported += 1
+                reported = self.reported = reported + 1
                 if result["removed"]:
                     raise CacheNotFoundError(
                         f"the cache at {self.plan.path} was removed while this build filled it (`mmapcache rm "
@@ -215,7 +235,10 @@ class Driver:
                 raise
             return reported, True  # killed or exited: what it stored is consistent (the seqlock)
         finally:
-            del it  # shuts the workers down now, also on interrupt
+            # Shut the workers down now. On an interrupt, dropping the iterator is not enough: the traceback's
+            # frames hold it, and its workers would go on storing rows after the build counted them.
+            getattr(it, "_shutdown_workers", lambda: None)()
+            del it
         return reported, False
 
     def _isolate(self, tasks: list[Task]) -> None:
@@ -241,8 +264,8 @@ class Driver:
     def _account(self, result: dict[str, Any]) -> None:
         report = self.report
         report.filled += result["filled"]
-        if not self.following:
-            report.skipped += result["skipped"]
+        if not self.following and not result["busy"]:
+            self._skipped(result["skipped"], [result["chunk"]])
         report.bytes += result["filled"] * self.row_bytes
         report.no_room += len(result["no_room"])
         self.failed_rows.update(result["no_room"])  # not tried again in this build (--follow would spin on them)
