@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -234,6 +235,26 @@ def test_a_reader_cursor_past_the_last_epoch_is_damage_for_inspect(cache_path: s
     with pytest.raises(CacheFormatError, match=r"a reader's cursor \(\d+\) is past the last epoch"):
         describe(cache_path)
     assert any("rank 0's cursor" in p for p in verify(cache_path).problems)
+
+
+def test_a_ring_counter_no_run_could_reach_is_a_verify_finding_and_readers_go_on(cache_path: str) -> None:
+    # Found by the damage fuzzer (seed 777004, case 346): 'produced' set to 2**64 - 1 made the next producer's
+    # count raise numpy's overflow RuntimeWarning (an error where warnings are errors) from inside the library.
+    with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
+        for _ in ds.loader(batch_size=4):
+            break
+    ring = np.memmap(os.path.join(cache_path, "ring.u64"), "<u8", mode="r+")
+    ring[1:6] = 2**64 - 1  # produced, served, computed, waited_ns, skipped
+    ring.flush()
+    del ring
+    found = verify(cache_path).problems
+    for name in ("produced", "served", "computed", "waited_ns", "skipped"):
+        assert any(f"the counter '{name}' holds {2**64 - 1}" in p for p in found), found
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
+            batches = [batch for _, batch in zip(range(3), ds.loader(batch_size=4))]  # counts what it computed
+    assert [len(batch["label"]) for batch in batches] == [4, 4, 4]
 
 
 @pytest.mark.parametrize("word", [2**64 - 1, (5 << 32) | 10**6])

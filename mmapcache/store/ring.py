@@ -41,6 +41,8 @@ NEXT, PRODUCED, SERVED, COMPUTED, WAITED_NS, SKIPPED = range(6)
 HEADER = 8
 MAX_RANKS = 256
 RING_WORDS = fmt.RING_WORDS  # HEADER + 2 * MAX_RANKS
+_COUNTERS = {"produced": PRODUCED, "served": SERVED, "computed": COMPUTED, "waited_ns": WAITED_NS,
+             "skipped": SKIPPED}
 _PROGRESS_BITS = 32  # progress word: epoch << 32 | (k + 1); 0 = the rank never read
 
 
@@ -133,9 +135,11 @@ class Ring:
         self.words[HEADER + 2 * rank + 1] = (epoch << _PROGRESS_BITS) | (k + 1)
 
     def problems(self) -> list[str]:
-        """What in the ring's words no reader or producer could have written (for ``verify``): a rank's cursor
-        without progress, or one that is not a sequence number of the epoch its progress names, or the next."""
-        found = []
+        """What in the ring's words no reader or producer could have written (for ``verify``): a counter of 2**63
+        or more, a rank's cursor without progress, or one that is not a sequence number of the epoch its progress
+        names, or the next."""
+        found = [f"the counter '{name}' holds {int(self.words[word])}, more than any run could count"
+                 for name, word in _COUNTERS.items() if int(self.words[word]) >= 2**63]
         n = self.length
         for rank in range(MAX_RANKS):
             cursor, word = int(self.words[HEADER + 2 * rank]), int(self.words[HEADER + 2 * rank + 1])
@@ -162,14 +166,18 @@ class Ring:
 
     def count(self, **deltas: int) -> None:
         """Adds to the counters (``served=``, ``computed=``, ``waited_ns=``, ``skipped=``) under the lock."""
-        names = {"produced": PRODUCED, "served": SERVED, "computed": COMPUTED, "waited_ns": WAITED_NS,
-                 "skipped": SKIPPED}
+        names = _COUNTERS
 
         def add() -> None:
             for name, delta in deltas.items():
                 if delta:
-                    self.words[names[name]] += delta
+                    self._add(names[name], delta)
         self.state.under_lock(add)
+
+    def _add(self, word: int, delta: int) -> None:
+        """A counter is statistics: one damaged to a value no run could reach (``problems`` reports it) wraps as
+        an unsigned word does, instead of raising numpy's overflow warning at a reader."""
+        self.words[word] = (int(self.words[word]) + delta) % 2**64
 
     def stats(self) -> dict[str, int]:
         words = self.words
@@ -228,7 +236,7 @@ class Ring:
 
         def account() -> None:
             self.words[NEXT] = max(int(self.words[NEXT]), q + 1)
-            self.words[PRODUCED] += 1
+            self._add(PRODUCED, 1)
         self.state.under_lock(account)
 
     def release(self, q: int) -> None:
