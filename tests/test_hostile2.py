@@ -222,6 +222,35 @@ def test_an_empty_values_shape_no_array_can_have_is_damage(cache_path: str) -> N
     assert any("boxes.index.npy: row 5" in p for p in verify(cache_path).problems)
 
 
+def test_a_recorded_fixed_dimension_its_rows_contradict_is_damage_on_a_miss(cache_path: str) -> None:
+    # Found by the damage fuzzer (seed 777004, case 319): meta.json's ragged field (*, 4) edited to (0, *); the
+    # stored rows of shape (k, 4) contradict it, yet the next miss (and an opener comparing stored samples) blamed
+    # the source with a LayoutError that told the user to make a new cache with other options.
+    with MmapCachedDataset(cache_path, Boxes(), fingerprint="boxes") as ds:
+        ds.fill(range(8))
+    meta_path = os.path.join(cache_path, "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    [field] = [f for f in meta["fields"] if f["name"] == "boxes"]
+    assert field["shape"] == [-1, 4]  # varying shapes found by the creator's probes: 4 columns always
+    field["shape"] = [0, -1]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    damage = r"meta.json records field 'boxes' with the shape \(0, '\*'\) \(\* varies\), but row \d+ stores a value"
+    with MmapCachedDataset(cache_path, Boxes(), fingerprint="boxes") as ds:
+        for i in range(8):  # the stored values are still the source's
+            assert torch.equal(ds[i]["boxes"], Boxes()[i]["boxes"])
+        missing = [int(i) for i in ds.missing_indices() if i % 4]  # misses whose boxes have rows
+        assert missing
+        with pytest.raises(CacheFormatError, match=damage):
+            ds[missing[0]]
+        with pytest.raises(CacheFormatError, match=damage):
+            ds.__getitems__(list(range(12)))
+    with pytest.raises(CacheFormatError, match=damage):
+        MmapCachedDataset(cache_path, Boxes())  # no fingerprint: the opener's comparisons meet it first
+    assert any("boxes.index.npy" in p for p in verify(cache_path).problems)
+
+
 def test_a_reader_cursor_past_the_last_epoch_is_damage_for_inspect(cache_path: str) -> None:
     # Found by the damage fuzzer (seed 777002, case 64): describe overflowed int64 counting what is ready ahead of
     # it, and closing the ring then raised BufferError over that error.

@@ -206,10 +206,9 @@ def _check_heaps(store: Store, complete: np.ndarray, result: VerifyResult) -> No
         offsets, capacities, shapes = entries[:, 0], entries[:, 1], entries[:, 2:]
         # In float64: a damaged row must not overflow int64 into a plausible size.
         nbytes = np.prod(shapes, axis=1, dtype=np.float64) * field.np_dtype.itemsize
-        fixed = np.array([d if d >= 0 else -1 for d in field.shape])
         bad = (offsets < 0) | (capacities < 0) | (shapes < 0).any(axis=1) | (nbytes > capacities) | (
             (offsets.astype(np.float64) + capacities > end) & (capacities > 0)) | (
-            offsets % field.np_dtype.itemsize != 0) | ((fixed >= 0) & (shapes != fixed)).any(axis=1) | ~shapeable(
+            offsets % field.np_dtype.itemsize != 0) | ~field.keeps_fixed(shapes) | ~shapeable(
             shapes, field.np_dtype.itemsize)
         if bad.any():
             k = int(np.argmax(bad))

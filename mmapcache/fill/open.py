@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CacheMismatchError, CacheNotFoundError, LayoutError
+from ..errors import CacheFormatError, CacheMismatchError, CacheNotFoundError, LayoutError
 from ..format.codec import differing_field
 from ..read.reader import RowReader
 from ..store import admin as _admin
@@ -207,10 +207,20 @@ def _sample_mismatch(store: Store, request: Request, source: Source) -> str | No
     rows = RowMap.of(store, variant_choice=request.variant_choice, seed=request.seed)
     first = int(rows.cacheable()[0]) if rows.slots else 0
     reader = RowReader(store, recompute_stale=True)
-    try:
-        fresh = source.values(reader, source.fetch(first), first)
-    except LayoutError as exc:
-        return f"the sample layout differs ({exc})"
+
+    def computed(index: int) -> list[Any] | str:
+        """Sample ``index`` computed now, or why its layout differs from the recorded one."""
+        try:
+            return source.values(reader, source.fetch(index), index)
+        except LayoutError as exc:
+            if damage := store.layout_contradiction():  # the record is wrong, not the source
+                raise CacheFormatError(f"{damage}; the file is damaged (sample {index} did not fit it either). "
+                                       "Remove the cache (`mmapcache rm --force`) and build it again") from exc
+            return f"the sample layout differs ({exc})"
+
+    fresh = computed(first)
+    if isinstance(fresh, str):
+        return fresh
     recorded = store.meta["deterministic"]
     if not (source.deterministic and recorded and store.variants == 1 and store.meta["mode"] == "cache"):
         if meta_fingerprint := store.meta["fingerprint"]:
@@ -222,7 +232,9 @@ def _sample_mismatch(store: Store, request: Request, source: Source) -> str | No
     compared = [(first, rows.row(first, 0))] if rows.slots else []
     for index, row in compared + _stored_rows(store, rows, first):
         if index != first:
-            fresh = source.values(reader, source.fetch(index), index)
+            fresh = computed(index)
+            if isinstance(fresh, str):
+                return fresh
         # A row being rewritten, or holding another generation's sample (a rotating share): nothing to compare.
         stored = reader.read_values(row, index if rows.keyed else -1) if row >= 0 else None
         if stored is None:

@@ -92,6 +92,12 @@ class Field:
         """Bytes of one value in a fixed-size row (0 for a ragged field, whose values are in its heap)."""
         return 0 if self.ragged else math.prod(self.shape) * self.np_dtype.itemsize
 
+    def keeps_fixed(self, shapes: np.ndarray) -> np.ndarray:
+        """Which of the value shapes ``(B, ndim)`` keep the dimensions this field records as fixed (a ragged
+        field's others vary)."""
+        fixed = np.array([d if d >= 0 else -1 for d in self.shape], np.int64)
+        return ~((fixed >= 0) & (shapes != fixed)).any(axis=1)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,

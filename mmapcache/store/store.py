@@ -201,6 +201,23 @@ class Store:
                                    "in two slots; the cache is damaged: remove it and build it again")
         return index
 
+    def layout_contradiction(self) -> str | None:
+        """What of the layout ``meta.json`` records this cache's own rows contradict (a ragged field's fixed
+        dimension that a complete row's recorded shape lacks), or None. For error paths: it reads the index entry
+        of every complete row."""
+        rows = np.flatnonzero(self.state.filled_rows(np.arange(self.rows, dtype=np.int64)))
+        for field, index in zip(self.layout.fields, self.index):
+            if index is None or not len(rows):
+                continue
+            shapes = index[rows, 2:]
+            kept = field.keeps_fixed(shapes)
+            if not kept.all():
+                k = int(np.argmin(kept))
+                shown = tuple("*" if d < 0 else d for d in field.shape)
+                return (f"{self.path}/{fmt.META} records field {field.name!r} with the shape {shown} (* varies), "
+                        f"but row {int(rows[k])} stores a value of shape {tuple(int(d) for d in shapes[k])}")
+        return None
+
     # --- users (reference count through the kernel's locks) ----------------------------------------------------
 
     def moved(self) -> bool:
