@@ -250,6 +250,11 @@ def test_stream_misuse_is_explained(cache_path: str) -> None:
     build = subprocess.run([sys.executable, "-m", "mmapcache", "build", cache_path, "--dataset", SPEC + ":fresh"],
                            capture_output=True, text=True, timeout=120)
     assert build.returncode == 2 and "is a stream: it is produced continuously" in build.stderr
+    # --stream without --follow where there is no cache: the message names the option, and nothing is created
+    new = subprocess.run([sys.executable, "-m", "mmapcache", "build", cache_path + "-new", "--dataset",
+                          SPEC + ":fresh", "--stream"], capture_output=True, text=True, timeout=120)
+    assert new.returncode == 2 and "a stream (--stream, stream=True): it is produced" in new.stderr, new.stderr
+    assert "--follow" in new.stderr and not os.path.exists(cache_path + "-new")
 
 
 def test_producers_killed_mid_write_never_show_a_torn_value(cache_path: str) -> None:

@@ -35,7 +35,8 @@ def register(add: Add) -> None:
                 together cover the cache. Under torchrun (LOCAL_RANK and LOCAL_WORLD_SIZE set) each local rank
                 takes its part automatically.
 
-                Exit status: 0 complete, 1 some samples failed (listed), 2 usage error, 130 interrupted."""))
+                Exit status: 0 complete (with --follow: stopped by SIGINT or SIGTERM), 1 some samples failed (listed),
+                2 usage error, 130 interrupted."""))
     p.add_argument("path", metavar="PATH", help="cache directory, or a bare name under $MMAPCACHE_DIR")
     p.add_argument("--dataset", required=True, metavar="SPEC",
                    help="'package.module:name' or 'path/to/file.py:name': a Dataset class or factory")

@@ -29,7 +29,7 @@ def register(add: Add) -> None:
                 filled samples and compare them byte for byte. Only meaningful for deterministic sources: a
                 source with random augmentation differs on every call.
 
-                Exit status: 0 clean, 1 damage or differences found, 2 usage error."""))
+                Exit status: 0 clean, 1 damage, differences or a mismatch (another source) found, 2 usage error."""))
     p.add_argument("path", metavar="PATH")
     p.add_argument("--source", metavar="SPEC", help="the dataset the cache was built from")
     p.add_argument("--kwargs", metavar="JSON", help="keyword arguments for SPEC, a JSON object")

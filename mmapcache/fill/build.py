@@ -143,8 +143,9 @@ def build(
     if existing is not None and existing["mode"] == "stream":
         stream, stream_seed = True, existing["stream"]["seed"]  # an existing stream: produce for it as it is
     if stream and not follow:
-        raise UsageError(f"{path} is a stream: it is produced continuously, ahead of its readers, not filled once; "
-                         "run the build with --follow (follow=True) next to training")
+        what = f"{path} is a stream" if existing is not None else "a stream (--stream, stream=True)"
+        raise UsageError(f"{what}: it is produced continuously, ahead of its readers, not filled once; run the "
+                         "build with --follow (follow=True) next to training")
     store, created = _open_or_create(path, spec, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants,
                                      max_shapes=max_shapes, ragged=ragged, deterministic=deterministic,
                                      share=share, stream=stream, stream_seed=stream_seed)

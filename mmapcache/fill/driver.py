@@ -285,8 +285,9 @@ class Driver:
             self.bar = tqdm(total=self.total, unit="sample", file=self.out, dynamic_ncols=True,
                             desc=os.path.basename(self.plan.path))
         else:
-            print(f"{self.plan.path}: {self.missing} of {len(self.rows)} rows to fill, {self.workers} workers",
-                  file=self.out, flush=True)
+            workers = f"{self.workers} worker" + ("s" if self.workers > 1 else "")
+            print(f"{self.plan.path}: {self.missing} of {len(self.rows)} rows to fill, {workers}", file=self.out,
+                  flush=True)
 
     def _show(self, n: int) -> None:
         if not self.progress:

@@ -263,8 +263,8 @@ def _stored_rows(store: Store, rows: RowMap, first: int) -> list[tuple[int, int]
 
 def _mismatch_message(path: str, problem: str, just_created: bool = False) -> str:
     when = ", just created by another process," if just_created else ""
-    return (f"the cache at {path}{when} was made from a different source: {problem}. Pass overwrite=True to replace "
-            f"it, remove it (`mmapcache rm {path}`), or use another path")
+    return (f"the cache at {path}{when} was made from a different source: {problem}. Replace it (overwrite=True in "
+            f"Python; on the command line `mmapcache rm {path}`, then build again), or use another path")
 
 
 def _replaced_message(path: str, expected: dict[str, Any], found: dict[str, Any]) -> str:

@@ -259,8 +259,9 @@ def _shape_message(field: Field, found: tuple[int, ...], index: int, path: str) 
     if field.ragged:
         return (f"sample {index}, field {field.name!r}: shape {found} does not fit the field's shape "
                 f"{tuple('*' if d < 0 else d for d in field.shape)} (* varies); its other dimensions and the number of "
-                f"dimensions must stay the same: declare the field ragged=[{field.name!r}] in a new cache "
-                "(overwrite=True replaces this one) to let every dimension vary")
+                f"dimensions must stay the same: declare the field ragged=[{field.name!r}] (--ragged {field.name} on "
+                f"the command line) in a new cache to let every dimension vary (overwrite=True replaces this one; or "
+                f"`mmapcache rm {path}` first)")
     if len(found) != len(field.shape):
         return (f"sample {index}, field {field.name!r}: expected shape {field.shape}, found {found}; every sample "
                 "must have the same number of dimensions in each field")
@@ -268,8 +269,8 @@ def _shape_message(field: Field, found: tuple[int, ...], index: int, path: str) 
             f"varies, and the cache stores it in fixed rows of one shape (the samples probed when it was created, "
             f"with ragged='auto', the default, all had that shape; or it was made with ragged=None). Declare it "
             f"ragged=[{field.name!r}] (values packed at their own size) or max_shapes={{{field.name!r}: ...}} (fixed "
-            f"rows of a maximum shape) in a new cache: pass overwrite=True with the option, or remove this cache "
-            f"(`mmapcache rm {path}`) first")
+            f"rows of a maximum shape; --ragged and --max-shapes on the command line) in a new cache: pass "
+            f"overwrite=True with the option, or remove this cache (`mmapcache rm {path}`) first")
 
 
 def _check_unique_names(structure: Any, leaves: list[Leaf]) -> None:
