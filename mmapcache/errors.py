@@ -116,8 +116,9 @@ class StreamTimeoutError(MmapCacheError, TimeoutError):
 
 
 class StreamBypassWarning(UserWarning):
-    """A stream cache was read by index (``ds[i]``, ``DataLoader(ds)``): that computes from the source and never
-    reads the ring; read a stream through ``ds.loader()``."""
+    """Readers of a stream compute its samples instead of reading what producers put in its ring: it was read by
+    index (``ds[i]``, ``DataLoader(ds)``; read a stream through ``ds.loader()``), or its ring is too small for the
+    loader's batches (create it with a larger ``max_bytes``)."""
 
 
 class DistributedOrderWarning(UserWarning):

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -77,7 +78,7 @@ def test_every_epoch_serves_its_permutation_once_and_fresh(cache_path: str) -> N
 
 def test_without_a_producer_the_reader_computes_everything(cache_path: str) -> None:
     with MmapCachedDataset(cache_path, Fresh(N), stream=True, max_bytes=RING_BYTES, seed=1) as ds:
-        loader = ds.loader(batch_size=32)
+        loader = ds.loader(batch_size=16)
         for epoch in range(2):
             indices, tokens = _epoch(loader)
             assert indices == epoch_order(1, epoch, N).tolist() and len(set(tokens)) == N
@@ -85,6 +86,21 @@ def test_without_a_producer_the_reader_computes_everything(cache_path: str) -> N
         # The first 9 positions were stored when the stream was created (the first sample and 8 layout probes):
         # served, fresh.
         assert stats["served"] == 9 and stats["computed"] == 2 * N - 9
+
+
+def test_a_ring_too_small_for_the_loaders_batches_warns(cache_path: str) -> None:
+    # A ring of ~50 samples under batches of 32: producers may work only 50 positions ahead of the slowest reader,
+    # so readers compute most samples while producers' work goes unread; nothing said so.
+    with MmapCachedDataset(cache_path, Fresh(N), stream=True, max_bytes=RING_BYTES, seed=1) as ds:
+        with pytest.warns(StreamBypassWarning, match=r"holds \d+ samples in its ring, fewer than two batches of all "
+                                                     r"its readers \(2 x 32 x 1\).*larger max_bytes"):
+            ds.loader(batch_size=32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ds.loader(batch_size=8)  # 16 of ~50: room to work ahead
+    with MmapCachedDataset(cache_path + "-small", Fresh(10), stream=True, seed=1) as ds, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds.loader(batch_size=4, rank=0, world_size=4)  # the ring holds the whole epoch
 
 
 def test_ranks_share_one_ring_as_distributed_sampler_splits(cache_path: str) -> None:

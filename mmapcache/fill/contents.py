@@ -66,7 +66,8 @@ class CacheContents:
 
     @property
     def num_cacheable(self) -> int:
-        """How many samples can be cached (all of them unless ``max_bytes``/``cache_indices`` limited it)."""
+        """How many samples can be cached (all of them unless ``max_bytes``/``cache_indices`` limited it; 0 for a
+        stream, which keeps no sample for good: ``stream_stats["slots"]`` is its ring's size)."""
         return self._rows.slots
 
     def cacheable_indices(self) -> np.ndarray:

@@ -223,6 +223,13 @@ class StreamLoader:
             raise ValueError(f"rank {rank} of {world_size}: need 0 <= rank < world_size <= {_MAX_RANKS}")
         self.ds, self.rank, self.ranks = ds, rank, world_size
         self.batch_size, self.drop_last = batch_size, bool(kwargs.pop("drop_last", False))
+        slots = ds.stream_reads().ring.slots
+        if slots < min(2 * batch_size * world_size, len(ds)):  # a ring of a whole epoch is never too small
+            # A batch of every rank spans batch_size * world_size positions; producers may work at most `slots`
+            # ahead of the slowest reader, so a smaller ring has readers pass positions no producer could fill.
+            warn(f"the stream at {ds.path} holds {slots} samples in its ring, fewer than two batches of all its "
+                 f"readers (2 x {batch_size} x {world_size}): readers will compute most samples themselves while "
+                 "producers' work goes unread; create the stream with a larger max_bytes", StreamBypassWarning)
         collate = kwargs.pop("collate_fn", None)
         self.per_rank = -(-len(ds) // world_size)
         self._plan = _Plan()
