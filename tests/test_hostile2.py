@@ -100,6 +100,39 @@ def test_an_index_row_outside_the_heap_is_damage_and_nothing_is_written(ragged_c
     assert not result.ok and any("ids.index.npy: row 5" in p for p in result.problems)
 
 
+@pytest.mark.parametrize("how", ["stale", "unmarked"])
+def test_the_extent_of_a_row_that_is_not_complete_is_checked_by_verify_as_writers_check_it(ragged_cache: str,
+                                                                                          how: str) -> None:
+    # Found by a black-box recheck: a row whose filled bit is cleared (with the count of complete rows to match)
+    # keeps its extent for its next value; a writer refuses a damaged one, yet verify, which checked filled rows
+    # only, said ok to a cache the dataset then refused to fill. A stale row's was already checked.
+    with MmapCachedDataset(ragged_cache, Texts(), ragged=["ids"]) as ds:
+        if how == "stale":
+            ds.refresh(indices=[5])
+    heap_size = os.path.getsize(os.path.join(ragged_cache, "ids.heap"))
+    _set_index_row(ragged_cache, "ids", 5, heap_size + 2**30, 2**20)
+    if how == "unmarked":
+        bits = np.memmap(os.path.join(ragged_cache, "filled.bits"), np.uint8, mode="r+")
+        bits[0] &= ~np.uint8(1 << 5)
+        changes = np.memmap(os.path.join(ragged_cache, "changes.u64"), "<u8", mode="r+")
+        changes[1] -= 1
+        bits.flush()
+        changes.flush()
+        del bits, changes
+    with MmapCachedDataset(ragged_cache, Texts(), ragged=["ids"]) as ds:
+        with pytest.raises(CacheFormatError, match=r"row 5's index records the extent .* the cache is damaged"):
+            ds[5]
+    found = verify(ragged_cache).problems
+    # (a stale row is still filled: verify checks its value's whole index row, as a complete one's)
+    expected = "ids.index.npy: row 5 holds" if how == "stale" else (
+        f"ids.index.npy: row 5 (not complete, its extent kept for its next value) records the extent "
+        f"[{heap_size + 2**30}, {2**20}]")
+    assert any(expected in p for p in found), found
+    cli = subprocess.run([sys.executable, "-m", "mmapcache", "verify", ragged_cache], capture_output=True, text=True,
+                         timeout=120)
+    assert cli.returncode == 1, cli.stdout + cli.stderr
+
+
 def test_a_free_list_head_past_the_heap_is_damage_for_writers_and_verify(ragged_cache: str,
                                                                           capsys: pytest.CaptureFixture[str]) -> None:
     counters = np.memmap(os.path.join(ragged_cache, "heaps.u64"), "<u8", mode="r+").reshape(2, -1)

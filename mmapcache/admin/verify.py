@@ -130,7 +130,9 @@ def _check_state(store: Store, result: VerifyResult) -> None:
                                "not filled, which no writer does: the file is damaged")
     complete = filled_bit & ~odd
     _check_keys(store, complete, result)
-    _check_heaps(store, complete, result)
+    # What a writer takes as the row's own heap extents, to reuse or free (see SlotState.publish): every row written
+    # whole, whether or not its filled bit still says so.
+    _check_heaps(store, complete, ~odd & (state.seq_np != 0), result)
     if store.meta["mode"] == "stream":
         _check_ring(store, result)
     share = RowMap.of(store).share
@@ -184,13 +186,15 @@ def _check_ring(store: Store, result: VerifyResult) -> None:
         ring.close()
 
 
-def _check_heaps(store: Store, complete: np.ndarray, result: VerifyResult) -> None:
+def _check_heaps(store: Store, complete: np.ndarray, owned: np.ndarray, result: VerifyResult) -> None:
     """Per ragged field: the heap's counters fit its file; every complete row's value lies in its extent, inside
-    the heap's used part, with its field's fixed dimensions; no two rows' extents overlap; the free lists lie in
-    the heap, hold extents of their size class, and as many bytes as their counter says."""
+    the heap's used part, with its field's fixed dimensions; the extents of the other rows a writer would reuse
+    (``owned``: written whole, yet no longer marked filled) lie there too; no two rows' extents overlap; the free
+    lists lie in the heap, hold extents of their size class, and as many bytes as their counter says."""
     from ..store.heap import END, FREE
 
     rows = np.flatnonzero(complete)
+    kept = np.flatnonzero(owned & ~complete)
     for field, index, heap, spec in zip(store.layout.fields, store.index, store.heaps, store.meta["fields"]):
         if heap is None or index is None:
             continue
@@ -216,7 +220,18 @@ def _check_heaps(store: Store, complete: np.ndarray, result: VerifyResult) -> No
                                    f"{entries[k].tolist()}, not a value of field {field.name!r} inside the heap's "
                                    f"{end} used bytes: the file is damaged")
             continue
-        extents = sorted((int(a), int(n)) for a, n in zip(offsets, capacities) if n)
+        # The extents a writer would check (Heap.check_extent) before reusing or freeing them.
+        held = index[kept, :2]
+        itemsize = field.np_dtype.itemsize
+        wrong = (held[:, 1] < 0) | (held[:, 0] < 0) | (held.astype(np.float64).sum(axis=1) > end) | (
+            (held[:, 1] != 0) & (held[:, 0] % itemsize != 0))
+        if wrong.any():
+            k = int(np.argmax(wrong))
+            result.problems.append(f"{where}: row {int(kept[k])} (not complete, its extent kept for its next value) "
+                                   f"records the extent {held[k].tolist()}, not a part of the heap's {end} used "
+                                   f"bytes at a multiple of {itemsize}: the file is damaged")
+            continue
+        extents = sorted((int(a), int(n)) for a, n in itertools.chain(zip(offsets, capacities), held.tolist()) if n)
         free, problem = heap.free_extents()
         if problem:
             result.problems.append(f"{store.path}/{spec['heap']}: {problem}: the file or {fmt.HEAPS} is damaged")
