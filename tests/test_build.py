@@ -189,6 +189,15 @@ def test_variants_fill_every_row_with_independent_calls(cache_path: str) -> None
     assert not torch.equal(versions[0], versions[1]) and not torch.equal(versions[1], versions[2])
 
 
+def test_a_creating_build_that_refreshes_counts_each_row_once(cache_path: str) -> None:
+    # refresh= marked the creation's rows stale before they were counted as this build's, so the workers' refill
+    # counted them again and `skipped` went negative ("filled 48, skipped -8" of 40 rows). Found by a review.
+    report = build(cache_path, f"{SPEC}:images", kwargs={"n": 40}, workers=1, refresh=1.0, seed=1)
+    with MmapCachedDataset(cache_path) as ds:
+        assert (report.filled, report.skipped, report.marked_stale) == (ds.num_cached, 0, 8) == (40, 0, 8), (
+            report.summary())
+
+
 def test_refresh_marks_and_refills(cache_path: str, tmp_path) -> None:
     version = tmp_path / "version"
     version.write_text("0")

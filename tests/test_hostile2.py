@@ -19,7 +19,15 @@ import torch
 from torch.utils.data import Dataset
 
 from helpers.sources import ImageLabels, image_of, sample_equal
-from mmapcache import CacheFormatError, CacheMismatchError, MmapCachedDataset, StreamBypassWarning, describe, verify
+from mmapcache import (
+    CacheFormatError,
+    CacheMismatchError,
+    MmapCachedDataset,
+    StreamBypassWarning,
+    build,
+    describe,
+    verify,
+)
 from mmapcache.cli import main
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -241,18 +249,35 @@ class Boxes(Dataset):
 def test_an_empty_values_shape_no_array_can_have_is_damage(cache_path: str) -> None:
     # Found by the damage fuzzer (seed 777002, case 595): a shape of (0, 2**63 - 1) holds no bytes, so it passed
     # the extent checks, and numpy's "array is too big" ValueError reached the reader of a batch.
-    with MmapCachedDataset(cache_path, Boxes(), ragged=["boxes"]) as ds:
+    # (a fingerprint: an opener without one compares 3 stored rows chosen at random, and may meet row 5 first)
+    with MmapCachedDataset(cache_path, Boxes(), ragged=["boxes"], fingerprint="boxes") as ds:
         ds.fill()
     index = np.load(os.path.join(cache_path, "boxes.index.npy"), mmap_mode="r+")
     index[5, 2:] = [0, 2**63 - 1]
     index.flush()
     del index
-    with MmapCachedDataset(cache_path, Boxes(), ragged=["boxes"]) as ds:
+    with MmapCachedDataset(cache_path, Boxes(), ragged=["boxes"], fingerprint="boxes") as ds:
         with pytest.raises(CacheFormatError, match=r"row 5, field 'boxes'"):
             ds[5]
         with pytest.raises(CacheFormatError, match="row 5"):
             ds.__getitems__(list(range(12)))
     assert any("boxes.index.npy: row 5" in p for p in verify(cache_path).problems)
+
+
+def test_an_empty_values_offset_past_the_heap_is_a_verify_finding(cache_path: str) -> None:
+    # Found by a review: readers refuse an offset past the heap's used bytes even for an empty value (as writers
+    # do, Heap.check_extent), while verify checked offsets only of extents that hold bytes, and said ok.
+    with MmapCachedDataset(cache_path, Boxes(), ragged=["boxes"]) as ds:
+        ds.fill()
+    index = np.load(os.path.join(cache_path, "boxes.index.npy"), mmap_mode="r+")
+    assert index[4, 1] == 0 and list(index[4, 2:]) == [0, 4]  # an empty value: no bytes
+    index[4, 0] = 2**40
+    index.flush()
+    del index
+    with pytest.raises(CacheFormatError, match="row 4, field 'boxes'"):
+        with MmapCachedDataset(cache_path, Boxes(), ragged=["boxes"]) as ds:  # (the opener may compare row 4)
+            ds[4]
+    assert any("boxes.index.npy: row 4" in p for p in verify(cache_path).problems)
 
 
 def test_a_recorded_fixed_dimension_its_rows_contradict_is_damage_on_a_miss(cache_path: str) -> None:
@@ -281,6 +306,9 @@ def test_a_recorded_fixed_dimension_its_rows_contradict_is_damage_on_a_miss(cach
             ds.__getitems__(list(range(12)))
     with pytest.raises(CacheFormatError, match=damage):
         MmapCachedDataset(cache_path, Boxes())  # no fingerprint: the opener's comparisons meet it first
+    report = build(cache_path, Boxes, fingerprint="boxes", workers=1)  # build workers check samples too
+    assert report.failed and all("CacheFormatError" in f.error and "meta.json records field 'boxes'" in f.error
+                                 for f in report.failed), report.failed
     assert any("boxes.index.npy" in p for p in verify(cache_path).problems)
 
 
@@ -361,7 +389,7 @@ def test_a_small_ragged_stream_shares_its_budget_between_fields(shm_dir: str) ->
     for max_bytes in (2000, 5000):
         path = os.path.join(shm_dir, f"s{max_bytes}")
         with MmapCachedDataset(path, TwoTexts(), stream=True, max_bytes=max_bytes) as ds:
-            with pytest.warns(StreamBypassWarning, match="fewer than two batches"):  # a ring of a sample or two
+            with pytest.warns(StreamBypassWarning, match="fewer than the 2 batches"):  # a ring of a sample or two
                 loader = ds.loader(batch_size=4, collate_fn=lambda samples: samples)
             for batch in loader:
                 assert all(s["a"] == "x" * (1000 + s["i"]) and s["b"] == "y" * (500 + s["i"]) for s in batch)

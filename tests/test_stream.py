@@ -92,12 +92,15 @@ def test_a_ring_too_small_for_the_loaders_batches_warns(cache_path: str) -> None
     # A ring of ~50 samples under batches of 32: producers may work only 50 positions ahead of the slowest reader,
     # so readers compute most samples while producers' work goes unread; nothing said so.
     with MmapCachedDataset(cache_path, Fresh(N), stream=True, max_bytes=RING_BYTES, seed=1) as ds:
-        with pytest.warns(StreamBypassWarning, match=r"holds \d+ samples in its ring, fewer than two batches of all "
-                                                     r"its readers \(2 x 32 x 1\).*larger max_bytes"):
+        with pytest.warns(StreamBypassWarning, match=r"holds \d+ samples in its ring, fewer than the 2 batches of "
+                                                     r"all its readers .* \(2 x 32 x 1;.*larger max_bytes"):
             ds.loader(batch_size=32)
+        with pytest.warns(StreamBypassWarning, match=r"the 8 batches .* \(8 x 8 x 1;"):
+            ds.loader(batch_size=8, num_workers=2, prefetch_factor=3)  # they read 6 batches ahead of the cursor
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             ds.loader(batch_size=8)  # 16 of ~50: room to work ahead
+            ds.loader(batch_size=4, num_workers=2, prefetch_factor=2)  # 6 x 4 of ~50
     with MmapCachedDataset(cache_path + "-small", Fresh(10), stream=True, seed=1) as ds, warnings.catch_warnings():
         warnings.simplefilter("error")
         ds.loader(batch_size=4, rank=0, world_size=4)  # the ring holds the whole epoch
@@ -271,6 +274,11 @@ def test_stream_misuse_is_explained(cache_path: str) -> None:
                           SPEC + ":fresh", "--stream"], capture_output=True, text=True, timeout=120)
     assert new.returncode == 2 and "a stream (--stream, stream=True): it is produced" in new.stderr, new.stderr
     assert "--follow" in new.stderr and not os.path.exists(cache_path + "-new")
+    for follow in ([], ["--follow"]):  # --stream on a plain cache: it is not a stream, with --follow or without
+        plain = subprocess.run([sys.executable, "-m", "mmapcache", "build", other, "--dataset", SPEC + ":fresh",
+                                "--stream", *follow], capture_output=True, text=True, timeout=120)
+        assert plain.returncode == 2 and "holds a cache, not a stream: leave out --stream" in plain.stderr, (
+            plain.stderr)
 
 
 def test_producers_killed_mid_write_never_show_a_torn_value(cache_path: str) -> None:

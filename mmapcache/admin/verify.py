@@ -211,7 +211,7 @@ def _check_heaps(store: Store, complete: np.ndarray, owned: np.ndarray, result: 
         # In float64: a damaged row must not overflow int64 into a plausible size.
         nbytes = np.prod(shapes, axis=1, dtype=np.float64) * field.np_dtype.itemsize
         bad = (offsets < 0) | (capacities < 0) | (shapes < 0).any(axis=1) | (nbytes > capacities) | (
-            (offsets.astype(np.float64) + capacities > end) & (capacities > 0)) | (
+            offsets.astype(np.float64) + capacities > end) | (
             offsets % field.np_dtype.itemsize != 0) | ~field.keeps_fixed(shapes) | ~shapeable(
             shapes, field.np_dtype.itemsize)
         if bad.any():

@@ -142,6 +142,9 @@ def build(
     existing = read_meta(path) if is_cache(path) else None
     if existing is not None and existing["mode"] == "stream":
         stream, stream_seed = True, existing["stream"]["seed"]  # an existing stream: produce for it as it is
+    if stream and existing is not None and existing["mode"] != "stream":
+        raise UsageError(f"{path} holds a cache, not a stream: leave out --stream (stream=True) to fill it, or give "
+                         "the stream another path")
     if stream and not follow:
         what = f"{path} is a stream" if existing is not None else "a stream (--stream, stream=True)"
         raise UsageError(f"{what}: it is produced continuously, ahead of its readers, not filled once; run the "

@@ -113,7 +113,9 @@ class Driver:
     def created(self) -> None:
         """This build created the cache: the rows filled now (its first sample and layout probes) are filled by this
         build, not skipped, wherever the count of their chunk's done rows arrives from (or never, if interrupted)."""
-        rows = self.rows[self.store.state.filled_rows(self.rows, self.rowmap.keys_of(self.rows))]
+        state = self.store.state
+        # (not the stale ones: refresh= marked them before this build began, and its workers refill them)
+        rows = self.rows[state.filled_rows(self.rows, self.rowmap.keys_of(self.rows)) & ~state.stale_rows(self.rows)]
         self.report.filled += len(rows)
         chunks, counts = np.unique(rows // self.plan.chunk, return_counts=True)
         self.made = dict(zip(chunks.tolist(), counts.tolist()))

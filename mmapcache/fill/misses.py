@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CacheFormatError, CacheReadOnlyWarning, LayoutError, SampleNotCachedError, warn
+from ..errors import CacheReadOnlyWarning, SampleNotCachedError, warn
 from ..format.batch import FILLED, SHARED, UNWALKED, arrays_of, overlaps
 from ..format.fields import Field
 from ..read.reader import RowReader
@@ -35,20 +35,11 @@ def fetcher(source: Any, path: str) -> Callable[[int], Any]:
     return fetch
 
 
-def checker(check_finite: bool, store: Store | None = None) -> Callable[[RowReader, Any, int], list[Any]]:
+def checker(check_finite: bool) -> Callable[[RowReader, Any, int], list[Any]]:
     """``(reader, sample, index) -> values``: the layout's check, and with ``check_finite`` a refusal of NaN and
-    infinities naming the sample and field. A sample the layout refuses is the source's fault (``LayoutError``)
-    unless the rows of ``store`` (the open cache) contradict the layout ``meta.json`` records: then that file is
-    damaged."""
+    infinities naming the sample and field."""
     def checked(reader: RowReader, sample: Any, index: int) -> list[Any]:
-        try:
-            values = reader.check(sample, index)
-        except LayoutError as exc:
-            damage = store.layout_contradiction() if store is not None else None
-            if damage:
-                raise CacheFormatError(f"{damage}; the file is damaged (sample {index} did not fit it either: "
-                                       f"{exc}). Remove the cache (`mmapcache rm --force`) and build it again") from exc
-            raise
+        values = reader.check(sample, index)
         if check_finite:
             for field, value in zip(reader.fields, values):
                 if not _finite(field, value):
@@ -73,7 +64,7 @@ class Misses:
         self.path = store.path
         self.check_finite = check_finite
         self.fetch = fetcher(source, self.path)
-        self.checked = checker(check_finite, store)
+        self.checked = checker(check_finite)
         # Whether a batch's misses are computed first and checked together (RowReader.fill_batch); off for good
         # once the source is seen to refill one buffer for every sample.
         self.batched = reader.fill_batch is not None and source is not None

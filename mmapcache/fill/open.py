@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CacheFormatError, CacheMismatchError, CacheNotFoundError, LayoutError
+from ..errors import CacheMismatchError, CacheNotFoundError, LayoutError
 from ..format.codec import differing_field
 from ..read.reader import RowReader
 from ..store import admin as _admin
@@ -212,10 +212,7 @@ def _sample_mismatch(store: Store, request: Request, source: Source) -> str | No
         """Sample ``index`` computed now, or why its layout differs from the recorded one."""
         try:
             return source.values(reader, source.fetch(index), index)
-        except LayoutError as exc:
-            if damage := store.layout_contradiction():  # the record is wrong, not the source
-                raise CacheFormatError(f"{damage}; the file is damaged (sample {index} did not fit it either). "
-                                       "Remove the cache (`mmapcache rm --force`) and build it again") from exc
+        except LayoutError as exc:  # (the reader's check raises CacheFormatError where meta.json is wrong)
             return f"the sample layout differs ({exc})"
 
     fresh = computed(first)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CacheFormatError
+from ..errors import CacheFormatError, LayoutError
 from ..format.batch import compile_batch_filler
 from ..format.check import compile_checker
 from ..format.codec import (
@@ -57,6 +57,24 @@ from .ragged import (
 _RETRIES = 4
 
 
+def _checker(store: Store) -> Callable[[Any, int], list[Any]]:
+    """The layout's check of one sample (``format.check``). A sample it refuses is the source's fault
+    (``LayoutError``) unless the cache's own rows contradict the layout ``meta.json`` records: then that file is
+    damaged, whoever computed the sample (a miss, a build worker, a producer, an opener comparing samples)."""
+    check = compile_checker(store.layout, store.path)
+
+    def checked(sample: Any, index: int) -> list[Any]:
+        try:
+            return check(sample, index)
+        except LayoutError as exc:
+            damage = store.layout_contradiction()
+            if damage is None:
+                raise
+            raise CacheFormatError(f"{damage}; the file is damaged (sample {index} did not fit it either: {exc}). "
+                                   "Remove the cache (`mmapcache rm --force`) and build it again") from exc
+    return checked
+
+
 class RowReader:
     """Reads complete rows of one open store. Safe across processes and threads (it never writes state)."""
 
@@ -72,7 +90,7 @@ class RowReader:
         self.ragged = [n for n, f in enumerate(self.fields) if f.ragged]
         self.wrap = subclass_wrapper(layout)
         self.build = sample_builder(layout.structure)
-        self.check = compile_checker(layout, store.path)
+        self.check = _checker(store)
         # A batch of misses checked and written into the batch's columns at once (fixed plain fields only).
         self.fill_batch = compile_batch_filler(layout) if not self.ragged and not self.variable else None
         self.build_batch = batch_builder(layout.structure)

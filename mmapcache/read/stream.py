@@ -223,13 +223,18 @@ class StreamLoader:
             raise ValueError(f"rank {rank} of {world_size}: need 0 <= rank < world_size <= {_MAX_RANKS}")
         self.ds, self.rank, self.ranks = ds, rank, world_size
         self.batch_size, self.drop_last = batch_size, bool(kwargs.pop("drop_last", False))
+        # A batch of every rank spans batch_size * world_size positions, and a rank reads the batch in use and
+        # num_workers * prefetch_factor more ahead of its cursor; producers may work at most `slots` ahead of the
+        # slowest cursor, so a smaller ring has readers reach positions no producer could fill yet, and compute
+        # them. (With one more batch of room, producers can also work ahead of the readers.)
+        workers = kwargs.get("num_workers") or 0
+        batches = 2 + workers * (kwargs.get("prefetch_factor") or 2)
         slots = ds.stream_reads().ring.slots
-        if slots < min(2 * batch_size * world_size, len(ds)):  # a ring of a whole epoch is never too small
-            # A batch of every rank spans batch_size * world_size positions; producers may work at most `slots`
-            # ahead of the slowest reader, so a smaller ring has readers pass positions no producer could fill.
-            warn(f"the stream at {ds.path} holds {slots} samples in its ring, fewer than two batches of all its "
-                 f"readers (2 x {batch_size} x {world_size}): readers will compute most samples themselves while "
-                 "producers' work goes unread; create the stream with a larger max_bytes", StreamBypassWarning)
+        if slots < min(batches * batch_size * world_size, len(ds)):  # a ring of a whole epoch is never too small
+            warn(f"the stream at {ds.path} holds {slots} samples in its ring, fewer than the {batches} batches of all "
+                 f"its readers that they read ahead and use ({batches} x {batch_size} x {world_size}; 2 + num_workers "
+                 "x prefetch_factor batches): readers will compute many samples themselves while producers' work "
+                 "goes unread; create the stream with a larger max_bytes", StreamBypassWarning)
         collate = kwargs.pop("collate_fn", None)
         self.per_rank = -(-len(ds) // world_size)
         self._plan = _Plan()
