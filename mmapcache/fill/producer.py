@@ -76,7 +76,11 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None) -> dict
             try:
                 stored = ring.publish(q, functools.partial(writer.write, q % ring.slots, values))
             except NoRoom:
-                stored = False  # a full heap (max_bytes): the reader computes it
+                # A full heap (max_bytes): the position is abandoned, and its reader computes it (Ring.abandoned).
+                # Until readers pass it, it is the one position to claim again: back off instead of spinning on it.
+                stored = False
+                time.sleep(poll)
+                poll = min(2 * poll, _IDLE_POLL[1])
             done["produced" if stored else "skipped"] += 1
     except (CacheNotFoundError, CacheFormatError):
         if not store.moved():

@@ -152,7 +152,7 @@ def read_positions(ring: Ring, reader: Any, epoch: int, positions: np.ndarray, c
         if values is None and wait and q >= 0:
             started = time.monotonic_ns()
             poll = _WAIT_POLL[0]
-            while values is None and q < ring.low() + slots:
+            while values is None and q < ring.low() + slots and not ring.abandoned(q):
                 if time.monotonic_ns() - started > timeout * 1e9:
                     raise StreamTimeoutError(_timeout_message(ring, q, index, timeout))
                 time.sleep(poll)

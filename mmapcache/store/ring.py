@@ -217,6 +217,22 @@ class Ring:
                 return q
         return None
 
+    def abandoned(self, q: int) -> bool:
+        """Whether position ``q`` was claimed and given up: claimed before (below the next position), not in its
+        row, and no producer holds its claim now (one died, or found no heap room for the value). A reader waiting
+        for it computes it instead: a producer may never store it. The claim is tested under the writer lock, as
+        producers claim (readers and producers are always separate processes, whose POSIX locks conflict)."""
+        row = q % self.slots
+
+        def check() -> bool:
+            if q >= int(self.words[NEXT]) or self.state.filled_rows(np.array([row]), np.array([q]))[0]:
+                return False
+            if not self.claims.try_claim(row):
+                return False
+            self.claims.release(row)
+            return True
+        return bool(self.state.under_lock(check))
+
     def publish(self, q: int, write: Any) -> bool:
         """Stores the value of ``q`` (``write(owned)`` writes the row), unless every consumer has passed it, and
         releases the claim. Returns whether it was stored."""

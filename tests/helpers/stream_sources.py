@@ -31,6 +31,19 @@ class Fresh(Dataset):
         return {"x": torch.full((self.width,), token, dtype=torch.int64), "i": index, "token": token}
 
 
+class Growing(Fresh):
+    """``Fresh`` whose ``x`` grows with the index (``base + 37 * i`` elements): a ragged field whose values outgrow
+    the extents of the rows they are written into."""
+
+    def __init__(self, n: int = 32, base: int = 20_000) -> None:
+        super().__init__(n)
+        self.base = base
+
+    def __getitem__(self, index: int) -> Any:
+        token = int.from_bytes(os.urandom(7), "little")
+        return {"x": torch.full((self.base + 37 * index,), token, dtype=torch.int64), "i": index, "token": token}
+
+
 def fresh(n: int = 200, delay: float = 0.0) -> Dataset:
     return Fresh(n, delay)
 
