@@ -224,15 +224,21 @@ def test_a_wrong_count_of_complete_rows_is_damage_never_served_as_zeros(cache_pa
     assert not result.ok and "it counts 16 complete rows" in result.problems[0]
 
 
-def test_damaged_reader_cursors_are_a_verify_finding(cache_path: str) -> None:
-    with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
+def _stream_with_ring_words(path: str, *words: tuple[int | slice, int]) -> None:
+    """A stream of ``Texts`` that one reader has read a batch of, with words of its ``ring.u64`` then set (damage)."""
+    with MmapCachedDataset(path, Texts(), ragged=["ids"], stream=True) as ds:
         for _ in ds.loader(batch_size=4):
             break
-    ring = np.memmap(os.path.join(cache_path, "ring.u64"), "<u8", mode="r+")
-    ring[8] = 10**9  # rank 0's cursor: no position of the epoch its progress names
-    ring[8 + 2 * 7] = 5  # rank 7 never read, yet has a cursor
+    ring = np.memmap(os.path.join(path, "ring.u64"), "<u8", mode="r+")
+    for at, value in words:
+        ring[at] = value
     ring.flush()
     del ring
+
+
+def test_damaged_reader_cursors_are_a_verify_finding(cache_path: str) -> None:
+    # rank 0's cursor: no position of the epoch its progress names; rank 7 never read, yet has a cursor
+    _stream_with_ring_words(cache_path, (8, 10**9), (8 + 2 * 7, 5))
     result = verify(cache_path)
     assert any("rank 0's cursor" in p for p in result.problems)
     assert any("rank 7 has a cursor" in p for p in result.problems)
@@ -315,13 +321,7 @@ def test_a_recorded_fixed_dimension_its_rows_contradict_is_damage_on_a_miss(cach
 def test_a_reader_cursor_past_the_last_epoch_is_damage_for_inspect(cache_path: str) -> None:
     # Found by the damage fuzzer (seed 777002, case 64): describe overflowed int64 counting what is ready ahead of
     # it, and closing the ring then raised BufferError over that error.
-    with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
-        for _ in ds.loader(batch_size=4):
-            break
-    ring = np.memmap(os.path.join(cache_path, "ring.u64"), "<u8", mode="r+")
-    ring[8] = 0xFFFFFFFF80000000  # rank 0's cursor
-    ring.flush()
-    del ring
+    _stream_with_ring_words(cache_path, (8, 0xFFFFFFFF80000000))  # rank 0's cursor
     with pytest.raises(CacheFormatError, match=r"a reader's cursor \(\d+\) is past the last epoch"):
         describe(cache_path)
     assert any("rank 0's cursor" in p for p in verify(cache_path).problems)
@@ -330,13 +330,7 @@ def test_a_reader_cursor_past_the_last_epoch_is_damage_for_inspect(cache_path: s
 def test_a_ring_counter_no_run_could_reach_is_a_verify_finding_and_readers_go_on(cache_path: str) -> None:
     # Found by the damage fuzzer (seed 777004, case 346): 'produced' set to 2**64 - 1 made the next producer's
     # count raise numpy's overflow RuntimeWarning (an error where warnings are errors) from inside the library.
-    with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
-        for _ in ds.loader(batch_size=4):
-            break
-    ring = np.memmap(os.path.join(cache_path, "ring.u64"), "<u8", mode="r+")
-    ring[1:6] = 2**64 - 1  # produced, served, computed, waited_ns, skipped
-    ring.flush()
-    del ring
+    _stream_with_ring_words(cache_path, (slice(1, 6), 2**64 - 1))  # produced, served, computed, waited_ns, skipped
     found = verify(cache_path).problems
     for name in ("produced", "served", "computed", "waited_ns", "skipped"):
         assert any(f"the counter '{name}' holds {2**64 - 1}" in p for p in found), found
@@ -351,13 +345,7 @@ def test_a_ring_counter_no_run_could_reach_is_a_verify_finding_and_readers_go_on
 def test_a_reader_progress_past_the_stream_is_damage(cache_path: str, word: int) -> None:
     # Found by the damage fuzzer (seed 777001): an epoch past what a progress word can hold made the next reader's
     # cursor overflow (a raw OverflowError); a position past the epoch was read as "the epoch is done".
-    with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
-        for _ in ds.loader(batch_size=4):
-            break
-    ring = np.memmap(os.path.join(cache_path, "ring.u64"), "<u8", mode="r+")
-    ring[9] = word  # rank 0's progress
-    ring.flush()
-    del ring
+    _stream_with_ring_words(cache_path, (9, word))  # rank 0's progress
     with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
         with pytest.raises(CacheFormatError, match=r"rank 0's progress .* describes no place in the stream of 24"):
             next(iter(ds.loader(batch_size=4)))

@@ -183,9 +183,8 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
 
 def _same_max_bytes(store: Store, options: CreateOptions) -> bool:
     """Whether ``options.max_bytes`` (and ``cache_indices``) are the ones the cache was created with, for a cache with
-    ragged fields: its
-    slots were planned from the creator's probes (the bytes their ragged values take), which an opener cannot
-    plan again, but the heap budget it recorded is what ``max_bytes`` left after the fixed rows."""
+    ragged fields: its slots were planned from the creator's probes (the bytes their ragged values take), which an
+    opener cannot plan again, but the heap budget it recorded is what ``max_bytes`` left after the fixed rows."""
     budget, chosen = store.meta["heap_budget"], options.cache_indices
     if budget is None or options.max_bytes is None or (chosen is None) != (store.slot_index is None):
         return False

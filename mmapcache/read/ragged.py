@@ -152,7 +152,7 @@ def gather_ragged(field: Field, index: np.ndarray, heap: Heap, rows: np.ndarray,
     # Sizes in float64 first: a damaged (or torn) index row must not overflow int64 into a valid-looking extent.
     nbytes = np.prod(shapes, axis=1, dtype=np.float64) * itemsize
     ends = offsets + nbytes
-    sane = (offsets >= 0) & (shapes >= 0).all(axis=1) & (nbytes <= capacities) & (ends < 2.0**52) & shapeable(
+    sane = (offsets >= 0) & (shapes >= 0).all(axis=1) & (nbytes <= capacities) & (ends < _MAX_VALUE) & shapeable(
         shapes, itemsize)
     buf = heap.covering(int(ends[sane].max()) if sane.any() else 0)
     valid = sane & (ends <= len(buf)) & (offsets % itemsize == 0)

@@ -166,12 +166,10 @@ class Ring:
 
     def count(self, **deltas: int) -> None:
         """Adds to the counters (``served=``, ``computed=``, ``waited_ns=``, ``skipped=``) under the lock."""
-        names = _COUNTERS
-
         def add() -> None:
             for name, delta in deltas.items():
                 if delta:
-                    self._add(names[name], delta)
+                    self._add(_COUNTERS[name], delta)
         self.state.under_lock(add)
 
     def _add(self, word: int, delta: int) -> None:
