@@ -167,6 +167,9 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         # the same memory), so set_epoch in the main process reaches them all.
         self._epoch_cell = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._epoch_view = memoryview(self._epoch_cell.numpy())
+        # How many times set_epoch was called in this process: an epoch set explicitly draws its own order
+        # (read.order), and a loader state loaded after one does not move the epoch back (read.loader_state).
+        self.epoch_sets = 0
         self._reader: RowReader | None = None
         self._open_lock = threading.Lock()
         self._source_length = source_length(dataset) if dataset is not None else 0
@@ -300,7 +303,14 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the variant served this epoch (``variants > 1``). Reaches every process that reads through a
-        copy of this dataset: DataLoader workers of any start method, persistent or not, and ``ds.loader()``'s."""
+        copy of this dataset: DataLoader workers of any start method, persistent or not, and ``ds.loader()``'s,
+        whose own shuffle then reads epoch ``epoch``'s order (a function of ``(seed, epoch)``, the same each time)."""
+        self.restore_epoch(epoch)
+        self.epoch_sets += 1
+
+    def restore_epoch(self, epoch: int) -> None:
+        """Sets the epoch as ``set_epoch`` does, but as a loaded loader state's, not a choice of the caller's: the
+        order drawn for it is the state's (``read.order``)."""
         epoch = operator.index(epoch)
         if not -(2**63) <= epoch < 2**63:
             raise ValueError(f"epoch {epoch} does not fit in int64")

@@ -60,16 +60,23 @@ def test_every_epoch_covers_the_dataset_once_across_the_ranks(shm_dir: str, tmp_
     assert calls == list(range(N))  # the source computed each sample once, on one rank or the other
 
 
-def test_a_mid_epoch_checkpoint_resumes_exactly(shm_dir: str, tmp_path: Any) -> None:
+def test_a_step_checkpoint_resumes_exactly_mid_epoch_and_on_an_epochs_last_step(shm_dir: str, tmp_path: Any) -> None:
+    # Checkpoints every 3 steps of 6-step epochs: step 6 is taken on epoch 0's last step, before the loader is
+    # exhausted. Resumed from it, the job trained 0 steps of epoch 1 and ended (the loader's state said "epoch 0, all
+    # batches yielded", and Lightning, moving on to epoch 1, got its empty rest); torchdata's StatefulDataLoader does
+    # the same. A resumed job must train what the uninterrupted one did from that step on, batch for batch.
     cache = os.path.join(shm_dir, "c")
     whole = str(tmp_path / "whole")
-    _fit(whole, cache, "--every", "3")  # checkpoints at steps 3, 6, 9, 12 (6 steps per epoch)
+    _fit(whole, cache, "--every", "3", "--epochs", "3")  # checkpoints at steps 3, 6, ... 18 (6 steps per epoch)
     reference = {(r["rank"], r["epoch"], r["batch"]): r["indices"] for r in _records(whole)}
-    for step in (3, 9):  # mid epoch 0, mid epoch 1
-        resumed = str(tmp_path / f"from{step}")
-        _fit(resumed, cache, "--resume", os.path.join(whole, "ckpt", f"step={step}.ckpt"))
+    assert len(reference) == 2 * 18
+    # (the loader's order does not depend on its workers: one reference serves both)
+    for step, workers in ((6, 0), (6, 2), (3, 2), (15, 0)):  # an epoch's last step; mid epoch 0; mid epoch 2
+        resumed = str(tmp_path / f"from{step}-{workers}")
+        _fit(resumed, cache, "--epochs", "3", "--workers", str(workers),
+             "--resume", os.path.join(whole, "ckpt", f"step={step}.ckpt"))
         after = _records(resumed)
-        assert [r["step"] for r in after if r["rank"] == 0] == list(range(step, 12))  # nothing trained twice
+        assert [r["step"] for r in after if r["rank"] == 0] == list(range(step, 18)), f"resumed from step {step}"
         for record in after:
             key = (record["rank"], record["epoch"], record["batch"])
             assert record["indices"] == reference[key], f"resumed from step {step}: batch {key} differs"

@@ -440,3 +440,51 @@ def test_a_stateful_sampler_with_a_generator_resumes_by_its_generator(cache: Mma
     for epoch, k in [(0, 2), (1, 2), (1, 0), (0, -1)]:
         head, rest = resumed(make, epoch, k)
         assert head + rest == reference[epoch] + reference[epoch + 1], (epoch, k)
+
+
+# --- states edited by hand or from elsewhere --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("batches", 11, r"'batches': 11 \(int\), expected an int from 0 to 10 of this loader's 10 batches per epoch"),
+    ("batches", 10**6, r"'batches': 1000000 \(int\), expected an int from 0 to 10"),
+    ("batches", -2, r"'batches': -2 \(int\), expected an int from 0 to 10"),
+    ("batches", None, r"'batches': None \(NoneType\), expected an int"),
+    ("batches", 2.7, r"'batches': 2\.7 \(float\), expected an int"),
+    ("batches", True, r"'batches': True \(bool\), expected an int"),
+    ("batches", "missing", r"'batches': missing, expected an int"),
+    ("in_epoch", "False", r"'in_epoch': 'False' \(str\), expected True or False"),
+    ("in_epoch", "missing", r"'in_epoch': missing, expected True or False"),
+    ("epoch", 2**63, r"'epoch': 9223372036854775808 \(int\), expected an int from -9223372036854775808"),
+    ("epoch", "1", r"'epoch': '1' \(str\), expected an int"),
+    ("repeat", -1, r"'repeat': -1 \(int\), expected an int from 0"),
+    ("persistent", 1, r"'persistent': 1 \(int\), expected True or False"),
+    ("generator", [1, 2], r"'generator': \[1, 2\] \(list\), expected None or a torch generator's state"),
+    ("rng", torch.zeros(3), r"'rng': tensor\(.*\) \(Tensor\), expected None or a torch generator's state"),
+    ("sampler", "x", r"'sampler': 'x' \(str\), expected None or a dict"),
+])
+def test_a_hand_edited_state_is_refused_naming_the_key_the_value_and_what_it_must_be(cache: MmapCachedDataset,
+                                                                                     key: str, value: Any,
+                                                                                     says: str) -> None:
+    # Each was accepted: batches beyond the epoch skipped the rest of it silently, -2 failed later inside
+    # itertools.islice, a missing key was a bare KeyError, "False" read as true and 2.7 as 2.
+    loader = cache.loader(batch_size=5, shuffle=True)  # 46 samples: 10 batches
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    if value == "missing":
+        del state[key]
+    else:
+        state[key] = value
+    fresh = cache.loader(batch_size=5, shuffle=True)
+    with pytest.raises(ValueError, match=rf"loader state key {says}.*state_dict\(\) returned, unedited"):
+        fresh.load_state_dict(state)
+    assert fresh.sampler.resume is None and cache.epoch == 0  # nothing taken from it
+
+
+def test_a_state_between_passes_says_it_has_yielded_nothing(cache: MmapCachedDataset) -> None:
+    loader = cache.loader(batch_size=5, shuffle=True)
+    state = {**loader.state_dict(), "batches": 3}  # in_epoch False: the next pass, not begun
+    with pytest.raises(ValueError, match=r"'batches': 3 \(int\), expected an int from 0 to 0 as the state is of a "
+                                         r"pass not begun"):
+        cache.loader(batch_size=5, shuffle=True).load_state_dict(state)

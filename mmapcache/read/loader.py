@@ -7,16 +7,16 @@ import multiprocessing
 import os
 import sys
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, default_collate, default_convert
 
 from ..errors import WorkerStartError
+from . import loader_state
 from .collate import PadCollate
 from .order import BatchOrder
-from .resume import EpochStart, Resume, has_generator
 from .stream import StreamLoader
 
 
@@ -25,11 +25,14 @@ class BatchReader(Protocol):
 
     transform: Any
     seed: int
+    epoch_sets: int
 
     @property
     def epoch(self) -> int: ...
 
     def set_epoch(self, epoch: int) -> None: ...
+
+    def restore_epoch(self, epoch: int) -> None: ...
 
     @property
     def reads_batches(self) -> bool: ...
@@ -113,115 +116,42 @@ class CacheLoader(DataLoader):
     def __iter__(self) -> Any:
         order: BatchOrder = self.sampler  # type: ignore[assignment]
         order.started, order.skipped = None, 0
-        batches: Iterator[Any]
+        self._pass = _Pass(self._begin, len(self))  # a new pass: an abandoned one's progress is gone
+        return self._pass
+
+    def _begin(self) -> Iterator[Any]:
+        """Starts a pass, at its first batch (not at ``iter()``: a ``set_epoch`` in between counts, also with
+        workers, whose DataLoader iterator draws the order as it starts)."""
+        order: BatchOrder = self.sampler  # type: ignore[assignment]
+        order.settle()  # before the workers' base seed is drawn from a generator the settled pass draws from
         if self.num_workers or self.pin_memory:
             order.draws_base_seed = False
-            batches = super().__iter__()
-        else:
-            # No DataLoader iterator draws the workers' base seed from the generator: the order draws it first, at
-            # the first batch, as DataLoader's iterator would just before (so both shuffle alike).
-            order.draws_base_seed = True
-            batches = map(self.dataset.__getitem__, order)
-        self._pass = _Pass(batches, len(self))  # a new pass: an abandoned one's progress is gone
-        return self._pass
+            return super().__iter__()
+        # No DataLoader iterator draws the workers' base seed from the generator: the order draws it first, as
+        # DataLoader's iterator would just before (so both shuffle alike).
+        order.draws_base_seed = True
+        return map(self.dataset.__getitem__, order)
 
     # --- resuming ------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader is: the epoch being read and the batches it yielded of it (or, between epochs, where the
-        next starts), with what its order was drawn from (``read.order``). Picklable; ``torch.save`` stores it. A
-        loader given a state and not iterated since returns that state."""
-        order: BatchOrder = self.sampler  # type: ignore[assignment]
-        if self.num_workers and not getattr(self, "in_order", True):
-            raise ValueError("ds.loader(in_order=False) with workers hands batches to the training loop out of order, "
-                             "so no state can say which of an epoch's batches were trained on; pass in_order=True "
-                             "(the default) to a loader whose state is saved")
-        state = self._shape()
-        current = getattr(self, "_pass", None)
-        resume, start = order.resume, order.current() if current is not None and current.active else None
-        # in_epoch: the state is of an epoch whose order was drawn (mid-epoch, or drawn by workers' prefetch before
-        # its first batch was handed out), not of the next one.
-        if resume is not None:
-            start, batches, in_epoch = resume.start, resume.skip, resume.same_epoch
-            epoch, persistent = start.epoch if in_epoch else order.epoch, not in_epoch
-        elif start is not None:
-            epoch, batches, persistent = start.epoch, order.skipped + current.yielded, False  # type: ignore[union-attr]
-            in_epoch = True
-        else:
-            start = order.start()
-            epoch, batches, in_epoch = start.epoch, 0, False
-            # With persistent workers the next epoch draws no base seed for its workers (a resumed loader's first
-            # does): the generator is then put back when the order is drawn, after that draw.
-            persistent = bool(self.persistent_workers and self.num_workers and getattr(self, "_iterator", None))
-        state.update(epoch=epoch, batches=batches, generator=start.generator, sampler=start.sampler,
-                     repeat=start.repeat, rng=start.rng, in_epoch=in_epoch, persistent=persistent, drawn=order.drawn)
-        return state
+        """Where this loader is: the pass being read and the batches it yielded of it (or, between passes, what the
+        next one draws), with what its order was drawn from (``read.loader_state``). Picklable; ``torch.save``
+        stores it. A loader given a state and not iterated since returns that state."""
+        return loader_state.save(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Makes the next iteration continue where the loader that saved ``state`` was: the rest of its epoch (the
-        batches it had not yielded, and the dataset's epoch is that one), or, from a state taken between epochs,
-        the next epoch (the one ``set_epoch`` sets, before or after this call) drawn as it would have been.
+        """Makes the next pass continue where the loader that saved ``state`` was: the rest of its pass, if the next
+        pass is of that epoch (the dataset's epoch is set to it, unless ``set_epoch`` was called since this loader
+        was made), or the epoch ``set_epoch`` sets instead, drawn as the uninterrupted loader would have drawn it
+        (a trainer that moves on from a state taken after an epoch's last batch: that whole epoch, never nothing).
 
         Raises:
-            ValueError: ``state`` is not a loader state, or is that of a loader over another dataset length, batch
-                size, world size or order (a silent reshuffle otherwise).
+            ValueError: ``state`` is not a loader state, holds a value no loader saves (each key is checked), or is
+                that of a loader over another dataset length, batch size, world size or order (a silent reshuffle
+                otherwise).
         """
-        if isinstance(state, dict) and state.get("format") == "mmapcache.loader/1":
-            raise ValueError("this loader state was saved by mmapcache 0.3, whose loader drew its shuffle from a seed "
-                             "taken from torch's global generator; this version draws it from (seed, epoch), so "
-                             "resuming from it would read another order: start the epoch afresh (load no loader "
-                             "state; the model's and optimizer's states are unaffected)")
-        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-            raise ValueError(f"not a state of ds.loader() (format {_STATE_FORMAT!r}); pass what its state_dict() "
-                             "returned")
-        mine = self._shape()
-        differ = [f"{key} {state.get(key)!r} in the state, {mine[key]!r} here" for key in mine
-                  if state.get(key) != mine[key]]
-        if differ:
-            raise ValueError(f"this loader state was saved by a loader of another shape ({'; '.join(differ)}): "
-                             "resuming from it would read another order. Resume with the same dataset length, "
-                             "batch size, drop_last, shuffle, number of ranks, seed, sampler, generators and (with a "
-                             "generator) persistent_workers, or start the epoch afresh")
-        order: BatchOrder = self.sampler  # type: ignore[assignment]
-        start = EpochStart(int(state["epoch"]), state.get("generator"), state.get("sampler"),
-                           int(state.get("repeat", 0)), state.get("rng"))
-        batches = int(state["batches"])
-        drawn = state.get("drawn")
-        if drawn is not None:
-            order.record_draw(int(drawn[0]), int(drawn[1]))
-        in_epoch = bool(state["in_epoch"])
-        if in_epoch or state.get("persistent"):
-            order.resume = Resume(start, batches, same_epoch=in_epoch)
-            if in_epoch:
-                order.ds.set_epoch(start.epoch)
-        else:
-            order.resume = None
-            order.restore(start, epoch=False)
-
-    def _shape(self) -> dict[str, Any]:
-        """What a state must match: the dataset's length, the batching, the split and what draws the order. Not
-        the rank: every rank's state is the same (the epoch and the batches each yielded), and a trainer saves one
-        (Lightning, rank 0's) from which each rank resumes its own part."""
-        order: BatchOrder = self.sampler  # type: ignore[assignment]
-        shape = {"format": _STATE_FORMAT, "length": len(order.ds), "batch_size": order.batch_size,
-                 "drop_last": order.drop_last, "shuffle": order.shuffle, "world_size": order.num_replicas,
-                 "batches_per_epoch": len(order),
-                 "seed": order.seed if order.own and order.shuffle and (
-                     order.generator is None or order.num_replicas > 1) else None,
-                 "sampler_kinds": [_kind(order.user_sampler), _kind(order.user_batch_sampler)],
-                 "generators": [order.generator is not None, has_generator(order.user_sampler),
-                                has_generator(getattr(order.user_batch_sampler, "sampler", None))]}
-        if order.own and order.shuffle and order.generator is not None:
-            # A generator= also gives the workers their base seed: once with persistent workers, else each epoch.
-            shape["seeds_workers_once"] = bool(self.num_workers and self.persistent_workers)
-        return shape
-
-
-def _kind(sampler: Any) -> str | None:
-    return None if sampler is None else f"{type(sampler).__module__}.{type(sampler).__qualname__}"
-
-
-_STATE_FORMAT = "mmapcache.loader/2"  # 1: 0.3, whose own shuffle drew its seed from torch's global generator
+        loader_state.load(self, state)
 
 
 def _check_workers_can_import(ds: BatchReader, kwargs: dict[str, Any]) -> None:
@@ -261,11 +191,20 @@ def _identity(batch: Any) -> Any:
 
 class _Pass(Iterator[Any]):
     """One pass over a ``CacheLoader``: an iterator with a length, as DataLoader's own, that counts the batches it
-    handed to the caller (what a state records: not a worker's prefetch)."""
+    handed to the caller (what a state records: not a worker's prefetch). ``begin()`` makes its batches, at the
+    first ``next``."""
 
-    def __init__(self, batches: Iterator[Any], length: int) -> None:
-        self._next, self._length = batches.__next__, length
+    def __init__(self, begin: Callable[[], Iterator[Any]], length: int) -> None:
+        self._begin: Callable[[], Iterator[Any]] | None = begin
+        self._length = length
+        self._next: Callable[[], Any] = self._first
         self.yielded, self.active = 0, True
+
+    def _first(self) -> Any:
+        begin, self._begin = self._begin, None  # the loader's method: kept, it would tie the loader and its workers'
+        assert begin is not None  #              iterator in a cycle, shut down only by the garbage collector
+        self._next = begin().__next__
+        return self._next()
 
     def __next__(self) -> Any:
         try:

@@ -1,9 +1,8 @@
 """The order of ``ds.loader()``'s batches: which indices each epoch reads in this process, and where a resumed
 epoch starts.
 
-``BatchOrder`` is the sampler of the loader's DataLoader; it yields ``(epoch, indices)``, one batch at a time. The
-epoch's order is drawn when its first batch is asked for (not when iteration starts), so a ``set_epoch`` between
-``iter()`` and the first batch still counts (Lightning calls it there on resume). Which order:
+``BatchOrder`` is the sampler of the loader's DataLoader; it yields ``(epoch, indices)``, one batch at a time. Which
+order:
 
 - a ``sampler`` or ``batch_sampler`` the user passed: theirs, in this process only (they decide the split);
 - otherwise, in a distributed job (an initialised process group, torchrun's or SLURM's environment, or the
@@ -12,28 +11,37 @@ epoch's order is drawn when its first batch is asked for (not when iteration sta
   its start to a multiple of the ranks, rank ``r`` taking positions ``r, r + W, ...``; batches cut from that;
 - otherwise, with a ``generator``, ``RandomSampler(ds, generator=g)`` drawn as ``DataLoader(ds, shuffle=True,
   generator=g)`` draws it (the same calls on ``g``); without one, the one-process case of the above: the seeded
-  permutation of ``(seed, epoch)``, whole; read again without a ``set_epoch`` between, a permutation of ``(seed,
-  epoch, pass)``, ``pass`` counting the iterations of that epoch by this process's loaders of the dataset (a loop
-  that never calls ``set_epoch``, or makes a loader per epoch, still gets a new order each time, as with
-  ``DataLoader(shuffle=True)``). So an epoch's order is a function of the seed and
-  its number on any number of processes, never of torch's global generator: a job restarted at an epoch's end
-  (PyTorch Lightning restores no loader state there, only calls ``set_epoch``) reads the epochs the uninterrupted
-  job would have, seeded or not. ``shuffle=False``: ``SequentialSampler``'s order.
+  permutation of ``(seed, epoch)``, whole. ``shuffle=False``: ``SequentialSampler``'s order.
+
+The own shuffle's epoch ``e`` is always ``(seed, e)``'s order after ``set_epoch(e)`` (the loader's, a user
+sampler's or the dataset's), in any process, however often. An epoch read again with no ``set_epoch`` since its last
+pass is a permutation of ``(seed, epoch, pass)``, ``pass`` counting those passes by this process's loaders of the
+dataset: a loop that never calls ``set_epoch``, or makes a loader per epoch, still gets a new order each time, as
+with ``DataLoader(shuffle=True)``, and a restarted process reads them again from the first. So an epoch's order is
+never of torch's global generator: a job restarted at an epoch's end (PyTorch Lightning restores no loader state
+there, only calls ``set_epoch``) reads the epochs the uninterrupted job would have, seeded or not.
 
 It is a ``DistributedSampler`` (by class; its attributes describe the current split): trainers that give a
 loader's sampler to ``DistributedSampler`` unless it is one (PyTorch Lightning's ``use_distributed_sampler``) leave
 it alone, and their ``set_epoch`` reaches it (it also sets the dataset's epoch, which picks variants).
 
-Resume (``ds.loader().state_dict()``): the order of an epoch is a function of what it was drawn from, recorded
-just before the draw as a ``read.resume.EpochStart``; a resumed epoch draws again from it and skips the batches
-already yielded, so it yields exactly what the interrupted epoch had left, and leaves a generator of the loader's or
-the sampler's where the uninterrupted epoch left it (torch's global generator, which a sampler without one draws
-from, is put back as the resumed process had it).
+A pass is drawn when its first batch is asked for, not at ``iter()``, also with workers (``CacheLoader`` starts
+its DataLoader iterator then): a ``set_epoch`` between ``iter()`` and the first batch counts (PyTorch Lightning
+calls it there on resume, after ``iter()``).
+
+Resume (``ds.loader().state_dict()``, ``read.loader_state``): the order of a pass is a function of what it was drawn
+from, recorded just before the draw as a ``read.resume.EpochStart``. A loaded state of a pass in flight (a
+``read.resume.Resume``) is taken up by the next pass of its epoch: drawn again from its start, skipping the batches
+already yielded, so it yields exactly what the interrupted pass had left (nothing, for a state taken after its last
+batch) and leaves a generator of the loader's or the sampler's where the uninterrupted pass left it (torch's global
+generator, which a sampler without one draws from, is put back as the resumed process had it). If the epoch is set
+to another first (a trainer that moves on from a state taken after an epoch's last batch), the interrupted pass is
+settled instead (``BatchOrder.settle``: its draw made again, for the generators) and the new epoch drawn as the
+uninterrupted loader would have drawn it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import weakref
@@ -69,20 +77,24 @@ class _Ordered(Protocol):
     """What the order needs of the dataset (``MmapCachedDataset`` provides it)."""
 
     seed: int
+    epoch_sets: int  # set_epoch calls in this process
 
     @property
     def epoch(self) -> int: ...
 
     def set_epoch(self, epoch: int) -> None: ...
 
+    def restore_epoch(self, epoch: int) -> None: ...
+
     def __len__(self) -> int: ...
 
 
-# The last pass drawn of each (epoch, rank, world size) by the own shuffles of a dataset's loaders in this process: a
-# loader made anew for an epoch already read draws its next pass, as one loader iterated again does (a loop that
-# makes a loader per epoch and never calls set_epoch still reshuffles). A new process starts at pass 0: a restart
-# reads the same order.
-_passes: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int], int]] = weakref.WeakKeyDictionary()
+# The last pass drawn of each (epoch, rank, world size) by the own shuffles of a dataset's loaders in this process,
+# with the dataset's count of set_epoch calls then: a loader made anew for an epoch already read, with no set_epoch
+# since, draws its next pass, as one loader iterated again does (a loop that makes a loader per epoch and never calls
+# set_epoch still reshuffles); after a set_epoch, pass 0. A new process starts at pass 0: a restart reads the same
+# order.
+_passes: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int], tuple[int, int]]] = weakref.WeakKeyDictionary()
 
 # Samplers that give every process the whole dataset: in a distributed job, every rank would read it all.
 _WHOLE = (RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler)
@@ -110,7 +122,6 @@ class BatchOrder(DistributedSampler):
         self.user_sampler, self.user_batch_sampler = sampler, batch_sampler
         self.seed = ds.seed if seed is None else int(seed)
         self.generator = generator  # a user's: the order's, and DataLoader's for its workers' base seeds
-        self.drawn: tuple[int, int] | None = None  # (epoch, repeat) of the last order drawn
         if (rank is None) != (world_size is None):
             raise TypeError("ds.loader() takes both rank= and world_size=, or neither (to find them in the job)")
         if world_size is not None and not 0 <= rank < world_size:  # type: ignore[operator]
@@ -121,6 +132,7 @@ class BatchOrder(DistributedSampler):
         self.skipped = 0  # the batches of ``started`` skipped by a resume (yielded before the interruption)
         self.draws_base_seed = False  # set by a loader without workers: draw DataLoader's workers' base seed first
         self.resume: Resume | None = None  # set by CacheLoader.load_state_dict
+        self.sets_seen = ds.epoch_sets  # the dataset's set_epoch count when this order was made or last began a pass
         self._warned = False
         self._epochs = self._epoch_pair()  # (the dataset's, the user sampler's) when last in step
 
@@ -195,18 +207,20 @@ class BatchOrder(DistributedSampler):
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         if not self.own:
             self._warn_if_whole()
+        self.settle()  # (done by CacheLoader before any draw of the pass; here for a bare BatchOrder)
         if self.draws_base_seed:
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         resume, self.resume = self.resume, None
+        self.sets_seen = self.ds.epoch_sets
         if resume is None:
             start = self.start()
         elif resume.same_epoch:
             start = resume.start
             self.restore(start)
-        else:
-            start = dataclasses.replace(resume.start, epoch=self.epoch, repeat=self._repeat(self.epoch))
-            self.restore(start, epoch=False)
-        skip = resume.skip if resume is not None else 0
+        else:  # between passes, with persistent workers: the generators put back after the workers' base seed
+            self.restore(resume.start, epoch=False)
+            start = self.start()
+        skip = resume.skip if resume is not None and resume.same_epoch else 0
         self.started, self.skipped = start, skip
         self.record_draw(start.epoch, start.repeat)
         # A resumed epoch whose sampler drew from torch's global generator draws again from the recorded state.
@@ -227,6 +241,25 @@ class BatchOrder(DistributedSampler):
                 batches = [indices[a:a + size] for a in range(0, stop, size)]
         yield from zip(itertools.repeat(start.epoch), itertools.islice(batches, skip, None))
 
+    def settle(self) -> None:
+        """Before a pass draws anything: a loaded state of a pass in flight whose epoch is no longer the current one
+        (set to another since) is not resumed; its pass is drawn again, unread, so that the generators it drew from
+        are where the uninterrupted loader left them, and the next pass is drawn as that loader's would be."""
+        resume = self.resume
+        if resume is None or not resume.same_epoch:
+            return
+        self._sync_epoch()
+        if resume.start.epoch == self.epoch:
+            return
+        self.resume = None
+        self.restore(resume.start, epoch=False)
+        with global_rng(resume.start.rng):  # a sampler without a generator: this process's own is left alone
+            if self.user_batch_sampler is not None:
+                for _ in self.user_batch_sampler:
+                    pass
+            elif not self.own or (self.shuffle and self.generator is not None and self.placement()[1] == 1):
+                self._indices(resume.start)
+
     def start(self) -> EpochStart:
         """What this epoch is drawn from, recorded before the draw (``read.resume``)."""
         self._sync_epoch()
@@ -242,22 +275,24 @@ class BatchOrder(DistributedSampler):
         return self.started if self.started is not None and self.started.epoch == self.epoch else None
 
     def _repeat(self, epoch: int) -> int:
-        """The pass of ``epoch`` its next iteration draws (the loader's own shuffle; 0 for other orders)."""
+        """The pass of ``epoch`` its next iteration draws (the loader's own shuffle; 0 for other orders): the one
+        after the last drawn in this process, unless ``set_epoch`` was called since."""
         if not (self.own and self.shuffle):
             return 0
-        return _passes.get(self.ds, {}).get((epoch, *self.placement()), -1) + 1
+        last = _passes.get(self.ds, {}).get((epoch, *self.placement()))
+        return last[0] + 1 if last is not None and last[1] == self.ds.epoch_sets else 0
 
     def record_draw(self, epoch: int, repeat: int) -> None:
-        """Records that pass ``repeat`` of ``epoch`` was drawn (or, from a loaded state, had been)."""
-        self.drawn = (epoch, repeat)
+        """Records that pass ``repeat`` of ``epoch`` was drawn (or, from a loaded state, had been: ``repeat`` -1
+        for none, the next drawn is pass 0)."""
         if self.own and self.shuffle:
-            _passes.setdefault(self.ds, {})[(epoch, *self.placement())] = repeat
+            _passes.setdefault(self.ds, {})[(epoch, *self.placement())] = (repeat, self.ds.epoch_sets)
 
     def restore(self, start: EpochStart, epoch: bool = True) -> None:
         """Puts the generator and the user's sampler back where they were when ``start`` was recorded, and with
         ``epoch`` the dataset's epoch."""
         if epoch:
-            self.ds.set_epoch(start.epoch)
+            self.ds.restore_epoch(start.epoch)
         generator = self._generator()
         if generator is not None and start.generator is not None:
             generator.set_state(start.generator)

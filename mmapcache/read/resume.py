@@ -42,8 +42,10 @@ class EpochStart:
 
 @dataclasses.dataclass
 class Resume:
-    """An order to draw again from ``start`` at the next iteration, skipping its first ``skip`` batches; with
-    ``same_epoch`` False, for the epoch current then (a state taken between epochs), not ``start``'s."""
+    """A loaded state, taken up by the next pass. With ``same_epoch``, a pass in flight: drawn again from
+    ``start``, skipping its first ``skip`` batches, if the next pass is of ``start``'s epoch (else settled:
+    ``BatchOrder.settle``). Without, a state taken between passes whose generators are put back only after the next
+    pass's workers drew their base seed (persistent workers draw none there), for the epoch current then."""
 
     start: EpochStart
     skip: int
