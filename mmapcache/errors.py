@@ -28,6 +28,7 @@ __all__ = [
     "SourceError",
     "StreamTimeoutError",
     "CacheReadOnlyWarning",
+    "CacheRemovedWarning",
     "DistributedOrderWarning",
     "StreamBypassWarning",
     "UncachedFieldWarning",
@@ -130,6 +131,11 @@ class DistributedOrderWarning(UserWarning):
 class CacheReadOnlyWarning(UserWarning):
     """Misses are served from the source but cannot be stored (the cache is read-only for this process)."""
 
+
+class CacheRemovedWarning(UserWarning):
+    """The cache was removed (``mmapcache rm --force``) or replaced while this process read it: what this process had
+    mapped is still served, and the samples it lacks are computed from the source and served, not stored (nobody
+    else could read them). Warned once per cache and process; open the dataset again to cache anew."""
 
 
 class UncachedFieldWarning(UserWarning):

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from helpers.processes import collect, join_all, running
 from helpers.sources import ImageLabels, Scaled, sample_equal
-from mmapcache import CacheMismatchError, MmapCachedDataset, SampleNotCachedError
+from mmapcache import CacheMismatchError, CacheRemovedWarning, MmapCachedDataset, SampleNotCachedError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -31,6 +31,17 @@ def _calls(log: str) -> list[int]:
 
 
 # --- a changed source without a fingerprint ------------------------------------------------------------------------
+
+
+def test_a_source_that_differs_only_in_its_last_bits_is_named_as_thread_dependent(cache_path: str) -> None:
+    # Found by a user: a float pipeline whose result depends on torch's thread count (DataLoader workers run 1
+    # thread, the main process 2) failed every reopen with a CacheMismatchError that spoke of a changed source.
+    with MmapCachedDataset(cache_path, Scaled(8, scale=1.0)) as ds:
+        ds.fill()
+    with pytest.raises(CacheMismatchError, match=r"field '0' only in its last bits \(relative difference \de-0\d\): a "
+                                                 r"float pipeline whose result depends on the number of threads.*"
+                                                 r"fingerprint=.*torch\.set_num_threads\(1\)"):
+        MmapCachedDataset(cache_path, Scaled(8, scale=1.0000001))
 
 
 def test_changed_source_without_fingerprint_is_refused(cache_path: str) -> None:
@@ -187,6 +198,46 @@ def test_removed_cache_is_recreated_by_spawned_workers(cache_path: str) -> None:
     assert sample_equal(ds[7], source[7])
     assert os.path.isdir(cache_path)  # re-created by the worker
     ds.close()
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_every_read_path_serves_correct_samples_after_the_cache_is_removed(cache_path: str, ragged: bool) -> None:
+    # Found by a user: after `rm --force` under a dataset with its source, ds.__getitems__, ds.loader and
+    # DataLoader(ds) raised CacheFormatError ("lock was removed or replaced") at the first batch with a miss, and so
+    # did ds[i] for any sample not stored before (the report's ds[70] was stored: a probe of the creator's).
+    source = VaryingLength(40) if ragged else ImageLabels(40)
+    ds = MmapCachedDataset(cache_path, source)
+    for i in range(0, 40, 3):
+        ds[i]
+    missing = [int(i) for i in ds.missing_indices()]
+    _force_remove(cache_path)
+    with pytest.warns(CacheRemovedWarning, match=r"was removed or replaced while this process used it: the samples "
+                                                 r"it lacks are computed from the source and served, not stored"):
+        assert sample_equal(ds[missing[0]], source[missing[0]])
+    batch = [*missing[1:4], 0]
+    assert all(sample_equal(x, source[i]) for x, i in zip(ds.__getitems__(batch), batch))
+    reads = [([i for b in ds.loader(batch_size=4) for i in b[1].tolist()] if not ragged else None),
+             [i for b in DataLoader(ds, batch_size=4, collate_fn=list) for _, i in b],
+             [i for b in DataLoader(ds, batch_size=4, collate_fn=list, num_workers=2,
+                                    multiprocessing_context="fork") for _, i in b]]
+    for labels in filter(None, reads):
+        assert labels == [source[i][1] for i in range(40)]
+    assert all(sample_equal(ds[i], source[i]) for i in range(40))
+    assert not os.path.exists(cache_path)  # nothing wrote a cache back in its place, or into the removed one's files
+    ds.close()
+
+
+class VaryingLength(Dataset):
+    """``(int64 tensor of 1 + i % 5 values, label)``: a ragged field."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.arange(1 + i % 5, dtype=torch.int64) * i, i % 7
 
 
 def _force_remove(path: str) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import CacheReadOnlyWarning, SampleNotCachedError, warn
+from ..errors import CacheFormatError, CacheReadOnlyWarning, CacheRemovedWarning, SampleNotCachedError, warn
 from ..format.batch import FILLED, SHARED, UNWALKED, arrays_of, overlaps
 from ..format.fields import Field
 from ..read.reader import RowReader
@@ -102,9 +102,24 @@ class Misses:
         if not self.store.writable:
             _warn_read_only(self.path)
             return values
-        with contextlib.suppress(NoRoom):  # no heap room: served uncached (counted, and warned once)
+        with self._unless_removed(), contextlib.suppress(NoRoom):  # no heap room: served uncached (counted, warned)
             self.store.state.publish(row, index, functools.partial(self.writer.write, row, values))
         return values
+
+    @contextlib.contextmanager
+    def _unless_removed(self) -> Iterator[None]:
+        """Publishes, or, if the cache was removed or replaced under this process (its writer lock then refuses
+        before anything is written), serves what was computed uncached: nobody else could read it."""
+        try:
+            yield
+        except CacheFormatError:
+            if not self.store.moved():
+                raise
+            if self.path not in _warned_removed:
+                _warned_removed.add(self.path)
+                warn(f"the cache at {self.path} was removed or replaced while this process used it: the samples it "
+                     "lacks are computed from the source and served, not stored; open the dataset again to cache "
+                     "anew", CacheRemovedWarning)
 
     # --- a batch's misses --------------------------------------------------------------------------------------
 
@@ -213,14 +228,16 @@ class Misses:
             _, first = np.unique(targets, return_index=True)  # an index asked twice in a batch: stored once
             positions = positions[np.sort(first)]
             keys = np.array([index for _, index, _ in computed], np.int64)[np.sort(first)]
-            state.publish_rows(rows[positions], keys, lambda todo: self.writer.write_rows(rows, columns,
-                                                                                             positions[todo]))
+            with self._unless_removed():
+                state.publish_rows(rows[positions], keys, lambda todo: self.writer.write_rows(rows, columns,
+                                                                                                 positions[todo]))
             return
         writes: list[tuple[int, int, Callable[[bool], None]]] = []
         for k, index, values in computed:
             assert values is not None  # only fixed layouts leave the values in the columns alone
             writes.append((int(rows[k]), index, functools.partial(self.writer.write, int(rows[k]), values)))
-        state.publish_many(writes)
+        with self._unless_removed():
+            state.publish_many(writes)
 
 
 def _finite(field: Field, value: Any) -> bool:
@@ -245,6 +262,7 @@ def _all_finite(fields: Sequence[Field], columns: list[np.ndarray], positions: n
 
 
 _warned_read_only: set[str] = set()
+_warned_removed: set[str] = set()
 
 
 def _warn_read_only(path: str) -> None:

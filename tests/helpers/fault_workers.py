@@ -154,15 +154,20 @@ def read_through_removal(path: str, n: int, shape: tuple[int, ...], ready: Any, 
 
 
 def write_through_removal(path: str, n: int, shape: tuple[int, ...], ready: Any, go: Any, result: str) -> None:
-    """Maps a half-filled cache with its source, waits while the test removes it, then reads every sample
-    (the misses try to store): each sample must equal the source, or the process must fail clearly."""
+    """Maps a half-filled cache with its source, waits while the test removes it, then reads every sample (the
+    misses cannot be stored): each sample must equal the source, and the warnings say why nothing is stored."""
+    import warnings
+
     source = ImageLabels(n, shape)
     ds = MmapCachedDataset(path, source)
     ready.set()
     go.wait(timeout=60)
     outcome: dict[str, Any] = {}
     try:
-        outcome["bad_after"] = [i for i in range(n) if not sample_equal(ds[i], source[i])]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outcome["bad_after"] = [i for i in range(n) if not sample_equal(ds[i], source[i])]
+        outcome["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     except Exception as exc:
         outcome["error"] = f"{type(exc).__name__}: {exc}"
     ds.close()
