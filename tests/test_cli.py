@@ -338,3 +338,46 @@ def test_version_typo_help_legend_and_not_a_cache(shm_dir: str, tmp_path, capsys
     assert "' ' empty, '.:-=+*#%' partly filled (more to the right), '@' full, '_' not cacheable" in out
     code, _, err = run("inspect", str(tmp_path), capsys=capsys)
     assert code == 2 and "is not an mmapcache cache (it has no meta.json)" in err and "remove" not in err
+
+
+# --- rough edges a new user met -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect"])
+def test_output_into_a_closed_pipe_stops_quietly(shm_dir: str, command: str) -> None:
+    # `mmapcache ls | head -1` printed "error: [Errno 32] Broken pipe" and exited 2.
+    make_cache(os.path.join(shm_dir, "c"), n=10)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line is written
+    argv = ["ls", shm_dir] if command == "ls" else ["inspect", os.path.join(shm_dir, "c")]
+    done = subprocess.run([sys.executable, "-m", "mmapcache", *argv], stdout=write, stderr=subprocess.PIPE,
+                          env=ENV, timeout=60)
+    os.close(write)
+    assert (done.returncode, done.stderr) == (141, b"")  # as a Unix tool killed by SIGPIPE: 128 + 13, nothing said
+
+
+def test_verify_of_a_changed_source_says_so_in_one_line_per_field(cache_path: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # An 8 px cache verified against a 4 px source advised "declare it ragged" on one 600-character line per sample,
+    # summed up as "0 problem(s), 30 difference(s)".
+    make_cache(cache_path, n=30)
+    code, out, err = run("verify", cache_path, "--source", f"{SPEC}:images", "--kwargs",
+                         '{"n": 30, "shape": [3, 4, 4]}', "--all", capsys=capsys)
+    assert code == 1
+    lines = err.splitlines()
+    assert lines[0] == ("mmapcache: differs: the cache stores field '0' of shape (3, 8, 8), the source gives shape "
+                        "(3, 4, 4) (samples 0, 1, 2, 3, 4 and 25 more): the source is not the one the cache was built "
+                        "from")
+    assert len(lines) == 2 and "the source or its preprocessing changed since the cache was built" in lines[1]
+    assert "ragged" not in lines[0] and len(lines[1]) < 400
+    assert "0 problem(s), 30 difference(s): 30 of 30 rows filled, 30 compared with the source" in out
+
+
+def test_ls_shows_a_stream_as_its_ring(shm_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A stream read "CACHEABLE 32.2%", as if it were a partial cache.
+    with MmapCachedDataset(os.path.join(shm_dir, "s"), ImageLabels(100), stream=True, max_bytes="8K") as ds:
+        slots = ds.stream_stats["slots"]
+        code, out, _ = run("ls", capsys=capsys)
+    assert code == 0 and 0 < slots < 100
+    row = out.splitlines()[1].split()
+    assert row[:6] == ["s", "100", "stream:", "ring", "of", str(slots)], out

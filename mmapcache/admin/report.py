@@ -180,7 +180,8 @@ def list_caches(directory: str | os.PathLike[str] | None = None) -> list[dict[st
             filled = store.state.count_filled()
             entry.update(length=store.length, variants=store.variants, rows=store.rows, filled=filled,
                          fraction=filled / store.rows if store.rows else 0.0, bytes=disk_bytes(full),
-                         cacheable=store.slots / store.length if store.length else 0.0)
+                         cacheable=store.slots / store.length if store.length else 0.0, mode=store.meta["mode"],
+                         slots=store.slots)
             entry["size"] = format_size(entry["bytes"])
         finally:
             store.close()

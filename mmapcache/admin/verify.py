@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CacheFormatError
+from ..errors import CacheFormatError, LayoutError
 from ..fill.specs import DatasetSpec
 from ..format import spec as fmt
 from ..format.codec import differing_field
@@ -33,7 +33,9 @@ __all__ = ["VerifyResult", "verify"]
 
 @dataclasses.dataclass
 class VerifyResult:
-    """``problems``: damage found in the files; ``differences``: stored samples unequal to the source's;
+    """``problems``: damage found in the files; ``differences``: stored samples unequal to the source's, one line
+    each, except samples whose layout the source changed (another shape or type: ``changed_layout``), one line per
+    field that changed; ``differing``: how many samples differ, all told;
     ``mismatch``: why the given source cannot be the cache's (another length: not damage, another source);
     ``compared``: rows compared with the source; ``interrupted``: rows a dead writer left mid-write (they count
     as unfilled and will be written again: not damage); ``uncomparable``: why a given source was not compared
@@ -48,6 +50,8 @@ class VerifyResult:
     differences: list[str] = dataclasses.field(default_factory=list)
     mismatch: str | None = None
     uncomparable: str | None = None  # why samples were not compared with the given source (not a problem)
+    changed_layout: bool = False
+    differing: int = 0
 
     @property
     def ok(self) -> bool:
@@ -287,6 +291,7 @@ def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, 
         keep = np.isin(indices, chosen)
         rows, indices, variants, keys = rows[keep], indices[keep], variants[keep], keys[keep]
     set_epoch = getattr(dataset, "set_epoch", None) if k > 1 else None
+    changed: dict[tuple[str, str], list[int]] = {}  # (what the cache stores, what the source gives): samples
     for row, index, variant, key in zip(rows.tolist(), indices.tolist(), variants.tolist(), keys.tolist()):
         try:
             stored = reader.read_values(row, key)
@@ -298,9 +303,17 @@ def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, 
         if set_epoch is not None:
             set_epoch(variant)
         try:
-            fresh = reader.check(dataset[index], index)
+            sample = dataset[index]
+            fresh = reader.check(sample, index)
+        except LayoutError:  # not this cache's layout: grouped by what differs, below
+            result.compared += 1
+            for stored_as, found in store.layout.differences(sample):
+                changed.setdefault((stored_as, found), []).append(index)
+            result.differing += 1
+            continue
         except Exception as exc:
             result.differences.append(f"sample {index}: the source raised {type(exc).__name__}: {exc}")
+            result.differing += 1
             continue
         result.compared += 1
         field = differing_field(store.layout, stored, fresh)
@@ -308,3 +321,10 @@ def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, 
             where = f"sample {index}" + (f" variant {variant}" if k > 1 else "")
             result.differences.append(f"{where} (row {row}), field {field!r}: the stored value differs from the "
                                       "source's")
+            result.differing += 1
+    for (stored_as, found), samples_of in changed.items():
+        more = len(samples_of) - 5
+        shown = ", ".join(map(str, samples_of[:5])) + (f" and {more} more" if more > 0 else "")
+        result.differences.append(f"the cache stores {stored_as}, the source gives {found} (samples {shown}): the "
+                                  "source is not the one the cache was built from")
+        result.changed_layout = True

@@ -11,6 +11,7 @@ and return 2; ``--debug`` shows the traceback instead. Torch is imported only by
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 import traceback
@@ -23,6 +24,7 @@ from .args import PROG, Parser, formatter
 __all__ = ["main"]
 
 _EXIT_USAGE = 2
+_EXIT_SIGPIPE = 128 + 13  # what a shell reports for a tool killed by SIGPIPE
 
 
 def _parser() -> Parser:
@@ -70,6 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mmapcache: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of our output went away (`mmapcache ls | head -1`): stop quietly, as a Unix tool killed by
+        # SIGPIPE does, and keep the interpreter's final flush from reporting the same pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _EXIT_SIGPIPE
     except (UsageError, MmapCacheError, OSError) as exc:
         if debug:
             traceback.print_exc()

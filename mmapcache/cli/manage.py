@@ -75,9 +75,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         compared = f" (format only: {result.uncomparable}, so samples cannot be compared with a source)"
     interrupted = f", {result.interrupted} interrupted mid-write (will be refilled)" if result.interrupted else ""
     verdict = "ok" if result.ok else "another source" if result.mismatch else \
-        f"{len(result.problems)} problem(s), {len(result.differences)} difference(s)"
+        f"{len(result.problems)} problem(s), {result.differing} difference(s)"
     print(f"{path}: {verdict}: {result.filled} of {result.rows} rows filled{interrupted}{compared}")
-    if result.differences:
+    if result.changed_layout:
+        print(f"mmapcache: the source's samples are not the cache's (another shape or type): the source or its "
+              f"preprocessing changed since the cache was built. Build the cache again from it (`mmapcache rm "
+              f"{path}`, then `mmapcache build`; or open it with overwrite=True); if the field's shape varies from "
+              "sample to sample, build it with --ragged FIELD", file=sys.stderr)
+    elif result.differences:
         print("mmapcache: rebuild the differing samples: `mmapcache rm` the cache and build it again, or refresh them "
               "(MmapCachedDataset.refresh(indices=...)) and run `mmapcache build`", file=sys.stderr)
     return 0 if result.ok else 1

@@ -112,12 +112,16 @@ def _render_field(field: dict[str, Any]) -> str:
 def _render_list(entries: list[dict[str, Any]]) -> str:
     """``list_caches``'s result as an aligned table."""
     # CACHEABLE: the share of samples the cache can hold (max_bytes/cache_indices); FILLED: the share of those
-    # (all their variants) already stored. A full partial cache reads "76.6%  100.0%", never a bare "100.0%".
+    # (all their variants) already stored. A full partial cache reads "76.6%  100.0%", never a bare "100.0%". A
+    # stream holds no sample for good: a ring of fresh samples, FILLED its slots holding one now.
     table = [("NAME", "LENGTH", "CACHEABLE", "FILLED", "SIZE", "USERS")]
     for e in entries:
         users = ",".join(map(str, e["users"])) or "-"
         if "error" in e:
             table.append((e["name"], "?", "-", "damaged", e["size"], users))
+        elif e["mode"] == "stream":
+            table.append((e["name"], str(e["length"]), f"stream: ring of {e['slots']}", f"{100 * e['fraction']:.1f}%",
+                          e["size"], users))
         else:
             table.append((e["name"], str(e["length"]), f"{100 * e['cacheable']:.1f}%", f"{100 * e['fraction']:.1f}%",
                           e["size"], users))

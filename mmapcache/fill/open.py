@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CacheMismatchError, CacheNotFoundError, LayoutError
-from ..format.codec import differing_field
+from ..format.codec import differing_field, float_drift
 from ..read.reader import RowReader
 from ..store import admin as _admin
 from ..store import create as _create
@@ -237,6 +237,14 @@ def _sample_mismatch(store: Store, request: Request, source: Source) -> str | No
             continue
         field = differing_field(store.layout, stored, fresh)
         if field is not None:
+            drift = float_drift(store.layout, stored, fresh)
+            if drift is not None:
+                return (f"sample {index} computed now differs from the stored copy in field {field!r} only in its "
+                        f"last bits (relative difference {drift:.1g}): a float pipeline whose result depends on the "
+                        "number of threads (DataLoader workers run torch with 1, the main process with every core) "
+                        "or on the hardware computes it slightly differently in each. Give the source a "
+                        "fingerprint= (then samples are not compared), or compute it alike everywhere "
+                        "(torch.set_num_threads(1) before the dataset is opened)")
             return (f"sample {index} computed now differs from the stored copy in field {field!r} (a changed source, "
                     "or one that is not deterministic); give the source a fingerprint= that changes with it, or "
                     "declare a random source with deterministic=False")

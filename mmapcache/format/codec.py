@@ -249,6 +249,26 @@ def decode_metadata(text: bytes, name: str) -> dict[str, Any]:
     return {k: decode(v) for k, v in json.loads(text).items()}
 
 
+def float_drift(layout: Layout, stored: list[Any], fresh: list[Any]) -> float | None:
+    """If every field that differs is floating point and differs by at most a few parts in a million (the largest
+    relative difference, returned), what a float pipeline computes differently with another number of threads or
+    on other hardware; else None."""
+    drift = 0.0
+    for field, a, b in zip(layout.fields, stored, fresh):
+        a, b = np.asarray(a, dtype=field.np_dtype), np.asarray(b, dtype=field.np_dtype)
+        if a.shape == b.shape and a.tobytes() == b.tobytes():
+            continue
+        if a.shape != b.shape or a.dtype.kind not in "fc" or field.torch_dtype not in (None, "float32", "float64"):
+            return None
+        with np.errstate(all="ignore"):
+            scale = np.maximum(np.abs(a), np.abs(b)).astype(np.float64)
+            diff = np.abs(a.astype(np.complex128 if a.dtype.kind == "c" else np.float64) - b)
+            if not (np.isfinite(diff).all() and (diff <= 1e-5 * scale + 1e-12).all()):
+                return None
+            drift = max(drift, float((diff / np.where(scale > 0, scale, 1)).max()))
+    return drift
+
+
 def differing_field(layout: Layout, stored: list[Any], fresh: list[Any]) -> str | None:
     """The name of the first field whose stored value differs from a freshly checked one (bytes and shape)."""
     for field, a, b in zip(layout.fields, stored, fresh):

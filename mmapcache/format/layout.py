@@ -199,16 +199,13 @@ class Layout:
                 found = replace(found, dtype=field.dtype)
             if (found.kind, found.dtype, found.torch_dtype, found.tensor_class) != (
                     field.kind, field.dtype, field.torch_dtype, field.tensor_class):
-                def what(f: Field) -> str:
-                    kind = f"{f.tensor_class[0]}.{f.tensor_class[1]}" if f.tensor_class else f.kind
-                    return f"{kind} of dtype {f.torch_dtype or f.dtype}"
                 hint = ""
                 if field.kind == PYLIST == found.kind:
                     hint = (" (a list of numbers takes its element type from the first sample, float64 if that list "
                             "was empty: remove this cache (`mmapcache rm` it) and create it again with "
                             "ragged='auto', which learns the type from more samples)")
                 raise LayoutError(
-                    f"sample {index}, field {field.name!r}: expected {what(field)}, found {what(found)}; "
+                    f"sample {index}, field {field.name!r}: expected {_kind_of(field)}, found {_kind_of(found)}; "
                     f"make the wrapped dataset return the same types for every index{hint}"
                 )
             if field.variable:
@@ -217,6 +214,35 @@ class Layout:
                 raise LayoutError(_shape_message(field, found.shape, index, path))
             values.append(value)
         return values
+
+
+    def differences(self, sample: Any) -> list[tuple[str, str]]:
+        """How ``sample`` differs from this layout, one ``(what the cache stores, what the sample has)`` per field
+        that differs (or for the structure), in terms that do not name the sample: a report of many samples of a
+        changed source groups them (``admin.verify``). Empty if the sample fits."""
+        try:
+            structure, leaves = flatten(sample)
+        except LayoutError as exc:
+            return [("a sample mmapcache can store", f"one it cannot ({exc})")]
+        if structure != self.structure or len(leaves) != len(self.fields):
+            return [(f"structure {describe_structure(self.structure)}", f"{describe_structure(structure)}")]
+        out = []
+        for field, leaf in zip(self.fields, leaves):
+            found = leaf.field
+            if (found.kind, found.dtype, found.torch_dtype, found.tensor_class) != (
+                    field.kind, field.dtype, field.torch_dtype, field.tensor_class) and not (
+                    field.kind == PYLIST == found.kind and leaf.value.size == 0):
+                out.append((f"field {field.name!r} as {_kind_of(field)}", _kind_of(found)))
+            elif not field.fits(found.shape):
+                dims = ["*" if d < 0 else str(d) for d in field.shape]
+                shown = f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
+                out.append((f"field {field.name!r} of shape {shown}", f"shape {found.shape}"))
+        return out
+
+
+def _kind_of(field: Field) -> str:
+    kind = f"{field.tensor_class[0]}.{field.tensor_class[1]}" if field.tensor_class else field.kind
+    return f"{kind} of dtype {field.torch_dtype or field.dtype}"
 
 
 def _probed_list_dtype(probes: Sequence[Any], structure: Any, number: int, default: str) -> str:
