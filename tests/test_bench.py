@@ -35,7 +35,8 @@ def _check_load(load: object) -> None:
 def test_quick_run_reports_every_target(tmp_path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--quick", "--no-stocaching", "--out", str(out)],
+        [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--quick", "--no-stocaching", "--rounds", "1",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]

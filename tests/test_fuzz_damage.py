@@ -12,13 +12,15 @@ edits of ``meta.json``.
 Environment (every failure message prints the command that reproduces its first case):
 
 - ``MMAPCACHE_FUZZ_SEED``: the seed (default: a fixed one, so CI is repeatable);
-- ``MMAPCACHE_FUZZ_SECONDS``: time for the cases (default 90; the test takes ~15 s more to build the caches
-  and start its child), ``MMAPCACHE_FUZZ_CASES``: at most this many cases (default: as many as fit);
+- ``MMAPCACHE_FUZZ_CASES``: how many cases (default: one sweep, every file of every kind damaged once, 96 cases
+  in ~15 s on 2 cores; the same cases on every run), ``MMAPCACHE_FUZZ_SECONDS``: a time limit for them
+  (default 600). The long run, a budget of time: ``MMAPCACHE_FUZZ_CASES=1000000 MMAPCACHE_FUZZ_SECONDS=420``;
 - ``MMAPCACHE_FUZZ_ONLY``: run only these cases (``57`` or ``57,60``), e.g. to reproduce one;
 - ``MMAPCACHE_FUZZ_KINDS``: the kinds, comma-separated (default: all);
 - ``MMAPCACHE_FUZZ_STEP_TIMEOUT``: seconds one step may take before it counts as a hang (default 20);
 - ``MMAPCACHE_FUZZ_CLI_EVERY``: run ``python -m mmapcache verify`` in a subprocess every this many cases
-  (default 1: every case; 0: never; the in-process ``cli.main`` runs in every case regardless);
+  (default 5, prime to the 6 kinds so every kind gets it: an interpreter per case took two thirds of the sweep's
+  time; 1: every case; 0: never; the in-process ``cli.main`` runs in every case regardless);
 - ``MMAPCACHE_FUZZ_REPORT``: a path to write the findings to as JSON.
 """
 
@@ -35,12 +37,12 @@ from helpers.fuzz_driver import report, run_cases
 from mmapcache import verify
 
 SEED = int(os.environ.get("MMAPCACHE_FUZZ_SEED", "20261125"))
-SECONDS = float(os.environ.get("MMAPCACHE_FUZZ_SECONDS", "90"))
-CASES = int(os.environ.get("MMAPCACHE_FUZZ_CASES", "1000000"))
+SECONDS = float(os.environ.get("MMAPCACHE_FUZZ_SECONDS", "600"))
+CASES = int(os.environ.get("MMAPCACHE_FUZZ_CASES", "0"))  # 0: one sweep (see the module docstring)
 ONLY = os.environ.get("MMAPCACHE_FUZZ_ONLY", "")
 FUZZ_KINDS = [k for k in os.environ.get("MMAPCACHE_FUZZ_KINDS", ",".join(KINDS)).split(",") if k]
 STEP_TIMEOUT = float(os.environ.get("MMAPCACHE_FUZZ_STEP_TIMEOUT", "20"))
-CLI_EVERY = int(os.environ.get("MMAPCACHE_FUZZ_CLI_EVERY", "1"))
+CLI_EVERY = int(os.environ.get("MMAPCACHE_FUZZ_CLI_EVERY", "5"))
 COMMAND = "python3 -m pytest tests/test_fuzz_damage.py::test_damage_fuzz"
 
 
@@ -67,11 +69,15 @@ def test_damage_fuzz(shm_dir: str) -> None:
     pristine = os.path.join(shm_dir, "pristine")
     build_all(pristine, FUZZ_KINDS)
     before = _digest(pristine)
-    cases = [int(n) for n in ONLY.split(",")] if ONLY else list(range(CASES))
+    # One sweep: every file of every kind in turn (make_case), as many rounds as the kind with the most files.
+    sweep = len(FUZZ_KINDS) * max(len(os.listdir(os.path.join(pristine, kind, "cache"))) for kind in FUZZ_KINDS)
+    cases = [int(n) for n in ONLY.split(",")] if ONLY else list(range(CASES or sweep))
     run = run_cases(shm_dir, SEED, FUZZ_KINDS, cases, seconds=SECONDS if not ONLY else 600,
                     step_timeout=STEP_TIMEOUT, cli_every=CLI_EVERY)
     print(f"damage fuzzer: seed {SEED}, {len(run.finished)} cases in {run.seconds:.1f} s, "
           f"{len(run.findings)} distinct findings")
+    if not ONLY and not CASES:
+        assert len(run.finished) == sweep, f"the sweep ran {len(run.finished)} of its {sweep} cases in {SECONDS} s"
     if os.environ.get("MMAPCACHE_FUZZ_REPORT"):
         with open(os.environ["MMAPCACHE_FUZZ_REPORT"], "w") as f:
             json.dump({"seed": SEED, "cases": len(run.finished), "seconds": run.seconds,

@@ -59,10 +59,12 @@ RING = "ring.u64"  # files up to this size are hashed to see read-only steps wri
 
 
 def make_case(seed: int, number: int, kinds: list[str], contexts: dict[str, Context]) -> tuple[str, Damage]:
-    """Case ``number`` of ``seed``: its kind (round robin) and its damage (from its own generator)."""
+    """Case ``number`` of ``seed``: its kind (round robin), the file it damages (each of the kind's files in turn
+    in the first rounds: every file is hit by the first ``sweep_cases`` cases, then drawn) and the damage (from the
+    case's own generator)."""
     rng = random.Random(f"{seed}:{number}")
     kind = kinds[number % len(kinds)]
-    return kind, choose(contexts[kind], rng)
+    return kind, choose(contexts[kind], rng, sweep=number // len(kinds))
 
 
 class Case:

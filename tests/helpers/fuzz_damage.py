@@ -163,8 +163,12 @@ def files_of(ctx: Context) -> list[str]:
     return weighted
 
 
-def choose(ctx: Context, rng: random.Random) -> Damage:
-    name = rng.choice(files_of(ctx))
+def choose(ctx: Context, rng: random.Random, sweep: int = -1) -> Damage:
+    """A damage of one file: in round ``sweep`` of a sweep, the ``sweep``-th of the cache's files (in name order),
+    so that the first rounds of a run hit every file; past them (and by default) one drawn by ``files_of``'s
+    weights."""
+    names = sorted(ctx.sizes)
+    name = names[sweep] if 0 <= sweep < len(names) else rng.choice(files_of(ctx))
     size = ctx.sizes[name]
     if name in EMPTY_FILES or rng.random() < 0.2:
         return _structural(name, size, rng)

@@ -102,11 +102,16 @@ def _original(ds: MmapCachedDataset, opts: dict[str, Any], set_epoch: bool,
     return read, states
 
 
-def cases(read: list[list[list[int]]], states: dict[int, list[dict[str, Any]]], set_epoch: bool) -> list[Case]:
+def cases(read: list[list[list[int]]], states: dict[int, list[dict[str, Any]]], set_epoch: bool,
+          edges_only: bool = False) -> list[Case]:
+    """The resumed runs of ``states``; with ``edges_only``, of the last pass's states at the edges only: after
+    ``iter()``, after the first batch, before and after the last, after the end."""
     out = []
     for e, taken in states.items():
         whole = len(read[e])
         for k, state in zip([*range(whole + 1), -1], taken):
+            if edges_only and (e != max(states) or k not in (0, 1, whole - 1, whole, -1)):
+                continue
             rest = [read[e + 1], read[e + 2]] if k == -1 else [read[e][k:], read[e + 1], read[e + 2]]
             for mode in SET_EPOCH_MODES if set_epoch else ("never",):
                 if mode == "trainer" and k == whole:  # it moves on to the next epoch: it reads no empty pass
