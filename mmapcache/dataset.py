@@ -38,6 +38,7 @@ from .store.paths import resolve_path
 from .store.ring import Ring
 from .store.rows import VARIANT_CHOICES, RowMap, check_index, check_indices
 from .store.share import Share, share_option
+from .store.split import StreamSplit, stream_split_option
 from .store.store import Store
 
 __all__ = ["MmapCachedDataset"]
@@ -173,9 +174,14 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         self._reader: RowReader | None = None
         self._open_lock = threading.Lock()
         self._source_length = source_length(dataset) if dataset is not None else 0
-        share = share_option(node_share, rotate_every, self.seed)
+        stream = check_bool(stream, "stream")
+        # A stream is per node: under a job of several nodes its ring holds its node's ranks' part (store.split).
+        share = share_option(node_share, rotate_every, self.seed) if not stream else None
+        if stream and rotate_every is not None:
+            raise ValueError("rotate_every rotates a node share; a stream reads every sample fresh each epoch")
+        split = stream_split_option(node_share, self.path) if stream else None
         self._request = Request(self.path, self.fingerprint, CreateOptions(max_bytes, cache_indices, variants,
-                                max_shapes, ragged, share, check_bool(stream, "stream")), overwrite,
+                                max_shapes, ragged, share, stream, split), overwrite,
                                 self.delete_on_close, self.variant_choice, self.seed)
         store, self.created = open_cache(self._request, self._source())
         self._identity = identity(store)
@@ -320,6 +326,11 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
     def fields(self) -> list[str]:
         """The field paths of a sample (``"image"``, ``"meta.0"``; see the README's "What a sample can be")."""
         return [f.name for f in self._ensure_open().fields if f.kind != "json"]
+
+    @property
+    def stream_split(self) -> StreamSplit:
+        """A stream's node split: which positions of each epoch its ring holds (``store.split``; one node: all)."""
+        return self._stream_ring().split
 
     @property
     def share(self) -> Share | None:

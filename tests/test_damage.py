@@ -113,8 +113,11 @@ def test_version_1_cache_is_refused_with_the_rebuild_command(filled_cache: str) 
 
 @pytest.mark.parametrize("changes, match", [
     ({"mode": "ring"}, r"mode 'ring' is not one of \('cache', 'stream'\)"),
-    ({"mode": "stream"}, r"stream must be \{seed\}, found None"),
+    ({"mode": "stream"}, r"stream must be \{seed\} or \{seed, split\}, found None"),
     ({"stream": {"seed": 1}}, r"stream settings in a cache of mode 'cache'"),
+    ({"mode": "stream", "stream": {"seed": 1, "split": {"node": 2, "nodes": 2, "ranks": 1}}}, r"bad stream split"),
+    ({"mode": "stream", "stream": {"seed": 1, "split": {"node": 0, "nodes": 1, "ranks": 1}}}, r"bad stream split"),
+    ({"mode": "stream", "stream": {"seed": 1, "split": {"node": 0, "nodes": 2}}}, r"bad stream split"),
     ({"share": {"node": 0, "nodes": 2}}, r"share must be null or \{node, nodes, seed, rotate_every\}"),
     ({"share": {"node": 2, "nodes": 2, "seed": 0, "rotate_every": None}}, r"bad share"),
     ({"share": {"node": 0, "nodes": 2, "seed": 0, "rotate_every": None}}, r"a node share needs .* a slot index"),

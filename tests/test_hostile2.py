@@ -356,7 +356,7 @@ def test_a_stream_state_past_the_last_epoch_is_refused(cache_path: str) -> None:
     with MmapCachedDataset(cache_path, Texts(), ragged=["ids"], stream=True) as ds:
         loader = ds.loader(batch_size=4)
         state = loader.state_dict()
-        with pytest.raises(ValueError, match=r"epoch 4294967296, position 0 is no place in this stream"):
+        with pytest.raises(ValueError, match=r"state key 'epoch': 4294967296, expected an int from 0 to \d+"):
             loader.load_state_dict({**state, "epoch": 2**32})
 
 

@@ -24,6 +24,7 @@ import torch
 from helpers.processes import join_all, running
 from helpers.stream_sources import Fresh, Growing, intact
 from mmapcache import (
+    CacheInUseError,
     CacheMismatchError,
     MmapCachedDataset,
     PadCollate,
@@ -93,7 +94,7 @@ def test_a_ring_too_small_for_the_loaders_batches_warns(cache_path: str) -> None
     # so readers compute most samples while producers' work goes unread; nothing said so.
     with MmapCachedDataset(cache_path, Fresh(N), stream=True, max_bytes=RING_BYTES, seed=1) as ds:
         with pytest.warns(StreamBypassWarning, match=r"holds \d+ samples in its ring, fewer than the 2 batches of "
-                                                     r"all its readers .* \(2 x 32 x 1;.*larger max_bytes"):
+                                                     r"all its node's readers .* \(2 x 32 x 1;.*larger max_bytes"):
             ds.loader(batch_size=32)
         with pytest.warns(StreamBypassWarning, match=r"the 8 batches .* \(8 x 8 x 1;"):
             ds.loader(batch_size=8, num_workers=2, prefetch_factor=3)  # they read 6 batches ahead of the cursor
@@ -339,3 +340,35 @@ def test_padding_positions_and_drop_last(cache_path: str) -> None:
         got = [i for b in loader for i in b["i"].tolist()]  # the next epoch: the tail was passed, not kept
         assert got == (epoch_order(8, 1, 10).tolist() * 2)[1::4][:2]
         assert np.array_equal(np.sort(padded), np.sort(order + order[:2]))
+
+
+def _read_rank_0_and_hold(path: str, started: Any, done: Any) -> None:
+    with MmapCachedDataset(path, Fresh(120), stream=True, seed=1) as ds:
+        batches = iter(ds.loader(batch_size=4, rank=0, world_size=1))
+        next(batches)
+        started.set()
+        done.wait(60)
+
+
+def test_a_second_reader_of_one_rank_is_refused_naming_the_first(cache_path: str) -> None:
+    # Found by a user: the same script started twice (both rank 0 of 1) on one stream; in 1 run of 6 one reader was
+    # served computations already served to the other (24 of 240 values), both moving the rank's one cursor.
+    ctx = multiprocessing.get_context("fork")
+    MmapCachedDataset(cache_path, Fresh(120), stream=True, seed=1).close()
+    for _ in range(3):
+        started, done = ctx.Event(), ctx.Event()
+        first = ctx.Process(target=_read_rank_0_and_hold, args=(cache_path, started, done))
+        with running([first]):
+            assert started.wait(60)
+            with MmapCachedDataset(cache_path, Fresh(120), stream=True, seed=1) as ds:
+                loader = ds.loader(batch_size=4, rank=0, world_size=1)
+                refused = rf"rank 0 of 1 of the stream at .* is being read by process {first.pid}: two readers of one "
+                with pytest.raises(CacheInUseError, match=refused + "rank would each be served"):
+                    next(iter(loader))
+                assert ds.loader(batch_size=4, rank=1, world_size=2) is not None  # another rank is free
+                done.set()
+                join_all([first], 60)
+                assert first.exitcode == 0
+                got = list(loader)  # the first reader is gone: this one reads, from the rank's cursor on
+                assert got and all(intact(b) for b in got)
+            del loader, got

@@ -138,7 +138,8 @@ def _stream_report(store: Store) -> dict[str, Any]:
     finally:
         ring.close()
     stats.update(seed=ring.seed, slots=ring.slots, producers=producers_of(store.path),
-                 readers={rank: list(p) for rank, p in cursors.items() if p is not None})
+                 readers={rank: list(p) for rank, p in cursors.items() if p is not None},
+                 split=ring.split.to_json(), split_text=ring.split.describe(store.length))
     stats["waited"] = stats.pop("waited_ns") / 1e9
     return stats
 

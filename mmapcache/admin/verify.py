@@ -26,6 +26,7 @@ from ..store.files import check_entry, read_meta
 from ..store.paths import resolve_path
 from ..store.ring import epoch_order
 from ..store.rows import RowMap
+from ..store.split import StreamSplit
 from ..store.store import Store
 
 __all__ = ["VerifyResult", "verify"]
@@ -281,8 +282,11 @@ def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, 
         keep = (keys >= 0) & (keys % max(1, store.slots) == rows)  # others are reported by _check_keys
         rows, keys, variants = rows[keep], keys[keep], variants[keep]
         order_seed, n = store.meta["stream"]["seed"], store.length
-        orders = {e: epoch_order(order_seed, e, n) for e in np.unique(keys // n).tolist()}
-        indices = np.array([orders[q // n][q % n] for q in keys.tolist()], np.int64)
+        split = StreamSplit.from_json(store.meta["stream"].get("split"))
+        m = max(1, split.positions(n))  # the node's positions per epoch (store.ring)
+        orders = {e: epoch_order(order_seed, e, n) for e in np.unique(keys // m).tolist()}
+        positions = split.position(keys % m)
+        indices = np.array([orders[q // m][p % n] for q, p in zip(keys.tolist(), positions.tolist())], np.int64)
     else:
         indices = rowmap.index_and_variant(rows)[0]
     chosen = np.unique(indices)

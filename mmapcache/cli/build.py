@@ -66,14 +66,16 @@ def register(add: Add) -> None:
     p.add_argument("--seed", type=int, metavar="N",
                    help="seed of --refresh's choice of rows (default: a fresh one each run, printed)")
     p.add_argument("--node-share", action="store_true",
-                   help="under torchrun or SLURM: this node caches (and fills) only its share of the dataset")
+                   help="under torchrun or SLURM: this node caches (and fills) only its share of the dataset (a "
+                        "stream made under a job of several nodes always holds its node's ranks' part)")
     p.add_argument("--rotate-every", type=positive_int, metavar="E",
                    help="with --node-share: the partition is drawn again every E epochs")
     p.add_argument("--share-seed", type=int, default=0, metavar="N",
                    help="with --node-share: the partition's seed (MmapCachedDataset's seed=; default 0)")
     p.add_argument("--stream", action="store_true",
                    help="create a stream (ring of --max-bytes, default 4096 samples) if none exists; an existing "
-                        "stream is produced for as it is. Needs --follow")
+                        "stream is produced for as it is. Needs --follow. Under torchrun or SLURM, the stream of a job "
+                        "of several nodes holds this node's part, and local rank 0 runs the node's producers")
     p.add_argument("--stream-seed", type=int, default=0, metavar="N",
                    help="with --stream: the seed of the stream's order (MmapCachedDataset's seed=; default 0)")
     p.add_argument("--follow", action="store_true",

@@ -83,11 +83,13 @@ def _render(info: dict[str, Any]) -> str:
 
 
 def _stream_lines(stream: dict[str, Any]) -> list[tuple[str, str]]:
-    readers = ", ".join(f"rank {rank} at epoch {epoch} position {k}" for rank, (epoch, k) in stream["readers"].items())
+    readers = ", ".join(f"local rank {rank} at epoch {epoch} position {k}"
+                        for rank, (epoch, k) in stream["readers"].items())
     producers = ", ".join(map(str, stream["producers"])) or "none running"
     return [
         ("stream", f"seed {stream['seed']}, a ring of {stream['slots']} samples; {stream['ahead']} ready ahead of the "
                    "slowest reader"),
+        ("node", stream["split_text"]),
         ("produced", f"{stream['produced']} ({stream['skipped']} too late for their reader); served "
                      f"{stream['served']} fresh from the ring, {stream['computed']} computed by readers, "
                      f"{stream['waited']:.1f} s waited"),

@@ -26,7 +26,8 @@ from ..errors import CacheReadOnlyError, SourceError, UsageError
 from ..store.files import is_cache, read_meta
 from ..store.paths import resolve_path
 from ..store.ring import Ring
-from ..store.share import Share, share_option
+from ..store.share import Share, local_rank_and_size, share_option
+from ..store.split import StreamSplit, stream_split_option
 from ..store.store import Store
 from .create import Request, Source
 from .driver import BuildReport, Driver, Failure
@@ -138,10 +139,12 @@ def build(
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     if refresh is not None and (isinstance(refresh, bool) or not 0 <= refresh <= 1):
         raise ValueError(f"refresh must be a fraction in [0, 1], got {refresh!r}")
-    share = share_option(node_share, rotate_every, share_seed)
     existing = read_meta(path) if is_cache(path) else None
     if existing is not None and existing["mode"] == "stream":
         stream, stream_seed = True, existing["stream"]["seed"]  # an existing stream: produce for it as it is
+    # A stream is per node: under a job of several nodes, its node's part (store.split), as the job's ranks make it.
+    share = share_option(node_share, rotate_every, share_seed) if not stream else None
+    split = stream_split_option(node_share, path) if stream and existing is None else None
     if stream and existing is not None and existing["mode"] != "stream":
         raise UsageError(f"{path} holds a cache, not a stream: leave out --stream (stream=True) to fill it, or give "
                          "the stream another path")
@@ -151,8 +154,15 @@ def build(
                          "build with --follow (follow=True) next to training")
     store, created = _open_or_create(path, spec, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants,
                                      max_shapes=max_shapes, ragged=ragged, deterministic=deterministic,
-                                     share=share, stream=stream, stream_seed=stream_seed)
+                                     share=share, stream=stream, stream_seed=stream_seed, split=split)
     report = BuildReport(path)
+    local = local_rank_and_size(path)
+    if stream and local[0] != 0:
+        # Under torchrun or SLURM with several processes per node: one set of producers per node, on local rank 0.
+        _release(store)
+        report.stream = True
+        report.share = f"local rank {local[0]} of {local[1]}: this node's producers run on local rank 0"
+        return report
     if stream:
         try:
             _produce(store, spec, workers, report, progress, out or sys.stdout)
@@ -184,7 +194,8 @@ def build(
 def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, max_bytes: Any,
                     variants: int | None, max_shapes: Mapping[str, Sequence[int]] | None,
                     ragged: Sequence[str] | str | None, deterministic: bool,
-                    share: Share | None, stream: bool, stream_seed: int) -> tuple[Store, bool]:
+                    share: Share | None, stream: bool, stream_seed: int,
+                    split: StreamSplit | None = None) -> tuple[Store, bool]:
     """Opens the cache, checking that it matches the source (its first sample's layout, and its bytes without a
     fingerprint: before any worker starts), or creates it. Returns it registered as used by this process."""
     dataset = spec()
@@ -197,8 +208,8 @@ def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, ma
             raise SourceError(f"the source raised computing sample {index} while opening the cache at {path}: "
                               f"{type(exc).__name__}: {exc}; fix the source (--debug shows the traceback)") from exc
 
-    request = Request(path, fingerprint, CreateOptions(max_bytes, None, variants, max_shapes, ragged, share, stream),
-                      seed=stream_seed)
+    request = Request(path, fingerprint, CreateOptions(max_bytes, None, variants, max_shapes, ragged, share, stream,
+                                                       split), seed=stream_seed)
     store, created = open_cache(request, Source(len(dataset), fetch, deterministic=deterministic))
     if not store.writable:
         _release(store)

@@ -71,9 +71,9 @@ class Request:
 
 def first_index(options: CreateOptions, length: int, seed: int = 0) -> int:
     """The first cacheable index of a new cache (the sample its creator computes and stores): for a stream, the
-    first position of epoch 0's order."""
+    first position of epoch 0's order the node holds."""
     if options.stream:
-        return int(epoch_order(seed, 0, length)[0])
+        return int(_stream_sequence(options, seed, length, 1)[0])
     if options.share is not None:
         return int(options.share.indices(length)[0])
     return int(options.cache_indices[0]) if options.cache_indices is not None else 0
@@ -102,7 +102,7 @@ def create_locked(request: Request, source: Source) -> None:
     if auto or (options.max_bytes is not None and layout.ragged and not options.stream):
         slots, slot_index, _ = options.plan(layout, source.length)
         if options.stream:  # the next positions of epoch 0's order: stored in the ring as they will be read
-            probes = epoch_order(request.seed, 0, source.length)[1:min(_PROBES, slots - 1) + 1]
+            probes = _stream_sequence(options, request.seed, source.length, min(_PROBES, slots - 1) + 1)[1:]
         else:  # spread over the cacheable indices
             cacheable = np.arange(slots) if slot_index is None else slot_index
             probes = cacheable[np.linspace(0, len(cacheable) - 1, _PROBES).astype(np.int64)]
@@ -135,9 +135,10 @@ def create_locked(request: Request, source: Source) -> None:
                 ring = Ring(store)
                 try:
                     values = source.values(reader, source.fetch(index) if refills else sample, index)
-                    ring.publish_created(0, functools.partial(writer.write, 0, values))
-                    order = epoch_order(request.seed, 0, source.length)
-                    position = {int(i): q for q, i in enumerate(order[:slots].tolist())}
+                    if ring.length:  # (a node of a job with more ranks than samples holds no position)
+                        ring.publish_created(0, functools.partial(writer.write, 0, values))
+                    sequence = _stream_sequence(options, request.seed, source.length, slots)
+                    position = {int(i): q for q, i in enumerate(sequence.tolist())}
                     for i, probe in samples[1:]:
                         q = position.get(i, -1)  # a probe is the value of its position in epoch 0's order
                         if q < 1:
@@ -179,8 +180,25 @@ def create_locked(request: Request, source: Source) -> None:
         fingerprint=request.fingerprint, delete_on_close=request.delete_on_close, library_version=__version__,
         prepare=store_first, heap_budget=heap_budget, ragged_bytes=ragged_bytes,
         share=None if options.share is None else options.share.to_json(),
-        stream={"seed": request.seed} if options.stream else None, deterministic=source.deterministic,
+        stream=_stream_meta(options, request.seed), deterministic=source.deterministic,
     )
+
+
+def _stream_sequence(options: CreateOptions, seed: int, length: int, count: int) -> np.ndarray:
+    """The source indices of a new stream's first ``count`` sequence positions of epoch 0 (at most the node's):
+    its first sample and its probes, stored as the ring's first positions."""
+    split = options.split
+    order = epoch_order(seed, 0, length)
+    if split is None:
+        return order[:count]
+    positions = split.position(np.arange(min(count, split.positions(length)), dtype=np.int64))
+    return order[positions] if len(positions) else order[:1]
+
+
+def _stream_meta(options: CreateOptions, seed: int) -> dict[str, Any] | None:
+    if not options.stream:
+        return None
+    return {"seed": seed} if options.split is None else {"seed": seed, "split": options.split.to_json()}
 
 
 def _has_empty_list(sample: Any) -> bool:

@@ -68,6 +68,8 @@ class BuildReport:
     def summary(self) -> str:
         rate = self.filled / self.elapsed if self.elapsed > 0 else 0.0
         state = " (interrupted)" if self.interrupted else ""
+        if self.stream and self.share:  # (a stream's "share": a local rank that leaves producing to local rank 0)
+            return f"{self.path}: {self.share}"
         if self.stream:
             return (f"{self.path}: produced {self.filled}, {self.skipped} too late for their reader, "
                     f"{self.elapsed:.1f} s, {rate:.1f} samples/s{state}")

@@ -38,6 +38,7 @@ from ..store import create as _create
 from ..store.create import plan_bytes
 from ..store.rows import RowMap
 from ..store.share import Share
+from ..store.split import StreamSplit
 from ..store.store import Store
 from .create import Request, Source, create_locked
 from .options import CreateOptions
@@ -138,6 +139,12 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
                 f"(stream={options.stream})")
     if options.stream and meta["stream"]["seed"] != request.seed:
         return f"a stream of seed {meta['stream']['seed']} in the cache, seed={request.seed} given"
+    if options.split is not None and meta["stream"].get("split") != options.split.to_json():
+        # (A process outside a job of several nodes asks for no split: a producer, a script, the command line.)
+        made = StreamSplit.from_json(meta["stream"].get("split"))
+        return (f"a stream of {made.describe(meta['length'])} in the cache, but this process is "
+                f"{options.split.describe(meta['length'])}: a stream keeps the shape of the job that made it; give "
+                f"this job a new path (or `mmapcache rm` the old one)")
     if request.fingerprint is not None and meta["fingerprint"] != request.fingerprint:
         return f"fingerprint {meta['fingerprint']!r} in the cache, {request.fingerprint!r} given"
     if options.variants is not None and options.variants != meta["variants"]:

@@ -11,6 +11,7 @@ from ..format.layout import Layout
 from ..format.sizes import parse_size
 from ..store.create import plan_bytes
 from ..store.share import Share
+from ..store.split import StreamSplit
 
 STALE_MODES = ("recompute", "serve")
 ON_MISS = ("compute", "wait")
@@ -20,7 +21,8 @@ class CreateOptions:
     """Validated creation options (those that only matter when a cache is created or compared)."""
 
     def __init__(self, max_bytes: Any, cache_indices: Any, variants: Any, max_shapes: Any,
-                 ragged: Any = None, share: Share | None = None, stream: bool = False) -> None:
+                 ragged: Any = None, share: Share | None = None, stream: bool = False,
+                 split: StreamSplit | None = None) -> None:
         self.max_bytes = None if max_bytes is None else parse_size(max_bytes, "max_bytes")
         if variants is not None:
             if not _is_count(variants) or variants < 1:
@@ -55,6 +57,7 @@ class CreateOptions:
             raise ValueError("a stream (stream=True) holds the next positions of each epoch's order, once each: it "
                              "takes none of node_share, cache_indices, variants; size its ring with max_bytes")
         self.stream = stream
+        self.split = split if stream else None  # a stream's node split (store.split), None for one node
 
     @property
     def declared_ragged(self) -> tuple[str, ...]:
@@ -66,7 +69,8 @@ class CreateOptions:
         """Slots, slot index and variants of a new cache (or of the cache these options describe), with
         ``ragged_bytes`` per sample expected in the heaps (counted against ``max_bytes``)."""
         if self.stream:
-            return self._plan_ring(layout, length, ragged_bytes), None, 1
+            positions = length if self.split is None else self.split.positions(length)
+            return self._plan_ring(layout, max(1, positions), ragged_bytes), None, 1
         variants = self.variants or default_variants
         index = self.cache_indices if self.share is None else self.share.indices(length)
         if index is not None and (index.min() < 0 or index.max() >= length):
@@ -96,8 +100,8 @@ class CreateOptions:
 
 
     def _plan_ring(self, layout: Layout, length: int, ragged_bytes: int) -> int:
-        """A stream's ring slots: as many samples as ``max_bytes`` holds (at most the dataset), else
-        ``DEFAULT_RING``."""
+        """A stream's ring slots: as many samples as ``max_bytes`` holds (at most the ``length`` positions of an
+        epoch the node holds), else ``DEFAULT_RING``."""
         if self.max_bytes is None:
             return min(length, DEFAULT_RING)
         per_sample = max(1, plan_bytes(layout, 8, 0, ragged_bytes) // 8)

@@ -270,8 +270,14 @@ def _check_stream(meta: dict[str, Any]) -> None:
         if stream is not None:
             raise ValueError("stream settings in a cache of mode 'cache'")
         return
-    if not isinstance(stream, dict) or set(stream) != {"seed"} or type(stream["seed"]) is not int:
-        raise ValueError(f"stream must be {{seed}}, found {stream!r}")
+    if not isinstance(stream, dict) or set(stream) - {"split"} != {"seed"} or type(stream["seed"]) is not int:
+        raise ValueError(f"stream must be {{seed}} or {{seed, split}}, found {stream!r}")
+    split = stream.get("split", {"node": 0, "nodes": 2, "ranks": 1})
+    if not (isinstance(split, dict) and set(split) == {"node", "nodes", "ranks"} and _is_count(split["nodes"], 2)
+            and _is_count(split["node"]) and split["node"] < split["nodes"] and _is_count(split["ranks"], 1)
+            and split["nodes"] * split["ranks"] <= 1 << 20):
+        raise ValueError(f"bad stream split {split!r}: need {{node, nodes, ranks}}, 0 <= node < nodes, nodes >= 2, "
+                         "ranks >= 1")
     if meta["variants"] != 1 or meta["slot_index"] is not None or meta["share"] is not None or meta["slots"] < 1:
         raise ValueError("a stream has one variant, at least one slot, no slot index and no share")
 

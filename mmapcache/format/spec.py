@@ -129,11 +129,16 @@ says which), reads as a miss and is overwritten.
 Stream mode
 -----------
 
-``mode: "stream"``: ``K = 1``, no ``slot_index``, no ``share``, ``stream: {"seed": s}``. Epoch ``e``'s order is
-``numpy.random.default_rng([s, e]).permutation(N)``; its position ``p`` has the sequence number ``q = e * N + p``,
-kept in row ``q % S`` with key ``q``. Rank ``r`` of ``W`` consumer ranks reads positions ``r + k * W``, ``k < ceil(N
-/ W)``; those past ``N`` (``DistributedSampler``'s padding) are index ``order[p - N]``, never stored. Two more
-files:
+``mode: "stream"``: ``K = 1``, no ``slot_index``, no ``share``, ``stream: {"seed": s}`` (one node) or ``{"seed":
+s, "split": {"node": n, "nodes": D, "ranks": L}}`` (node ``n`` of a job of ``D >= 2`` nodes of ``L`` ranks each,
+``W = D * L``). Epoch ``e``'s order is ``numpy.random.default_rng([s, e]).permutation(N)``. The ring holds the
+node's *sequence* of it: one node, every position ``p`` in order (sequence position ``j = p``); with a split, the
+positions job ranks ``n * L .. n * L + L - 1`` read, in order, ``p(j) = n * L + j % L + W * (j // L)`` for ``j <
+M``, ``M`` the number of such ``p < N`` (``store.split``). Sequence position ``j`` of epoch ``e`` has the sequence
+number ``q = e * M + j`` (``M = N`` for one node), kept in row ``q % S`` with key ``q``. The node's local rank ``r`` of
+``L`` (one node: rank ``r`` of its ``W`` readers) reads sequence positions ``r + k * L``, ``k < ceil(N / W)``: job
+rank ``n * L + r``'s part as ``DistributedSampler`` splits it; those past ``M`` (padding, ``p >= N``) are index
+``order[p % N]``, never stored. Two more files:
 
 - ``ring.u64``: ``8 + 2 * 256`` little-endian uint64: ``[next, produced, served, computed, waited_ns, skipped, 0,
   0]``, then two words per consumer rank (up to 256). ``next``: the next sequence number a producer claims;
@@ -142,7 +147,8 @@ files:
   waiting for a producer; ``skipped``: values produced but passed by their consumer before they were published.
   Rank ``r``'s words: its cursor, 0 (never read) or 1 + the next sequence number it will read from the ring; and
   its progress, 0 or ``epoch << 32 | (k + 1)``: it consumed its first ``k`` positions of ``epoch``. Counters
-  change under the writer lock; a rank's words are written by that rank only.
+  change under the writer lock; a rank's words are written by that rank only: while a loader reads rank ``r``, its
+  process holds a POSIX lock on byte ``2**40 + r`` of ``lock``, and a second reader of that rank is refused.
 - ``producers``: empty; every producer holds ``flock(LOCK_SH)`` on it while it runs.
 
 A producer claims ``q = max(next, low)`` (``low``: the smallest cursor in use) if ``q < low + S``, holds a POSIX
@@ -159,7 +165,9 @@ Format history
    mode (``mode``, ``stream``, ``ring.u64``, ``producers``). A version-1 cache is refused with a message to
    rebuild it (a cache is derived data; reading both would double the read path).
    Since mmapcache 0.3, ``meta.json`` records ``deterministic`` (readers of 0.2 ignore it; a cache without it
-   reads as ``true``): a compatible addition, not a new version.
+   reads as ``true``): a compatible addition, not a new version. Since 0.5, a stream of a job of several nodes
+   records ``stream.split``; a stream without it is read as before, and readers before 0.5 refuse one with it as
+   damage (they would read the node's sequence as the whole order).
 """
 
 from __future__ import annotations

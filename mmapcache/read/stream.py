@@ -9,7 +9,9 @@ counters) is ``store.ring``; the producers are ``fill.producer``.
 
 from __future__ import annotations
 
+import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -17,7 +19,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..errors import SampleNotCachedError, StreamBypassWarning, StreamTimeoutError, warn
+from ..errors import (
+    CacheInUseError,
+    CacheMismatchError,
+    SampleNotCachedError,
+    StreamBypassWarning,
+    StreamTimeoutError,
+    warn,
+)
 from ..store.ring import Ring, producers_of
 from .collate import PadCollate
 from .gather import alloc_shared
@@ -60,7 +69,7 @@ class StreamReads:
         its cursor. That is this epoch's start (``set_epoch``), or later if the rank already read part of it (a
         restarted reader resumes; nothing it was served is served again)."""
         ring = self.ring
-        per_rank = ring.per_rank(ring.length, ranks)
+        per_rank = ring.per_rank(ranks)
         start = (int(self.epoch[0]), 0)
         progress = ring.progress(rank)
         if progress is not None and progress > start:
@@ -135,12 +144,9 @@ def read_positions(ring: Ring, reader: Any, epoch: int, positions: np.ndarray, c
     Raises:
         StreamTimeoutError: ``wait`` and no producer published a position within ``timeout``.
     """
-    n, slots = ring.length, ring.slots
-    order = ring.order(epoch)
-    in_ring = positions < n
-    indices = order[np.where(in_ring, positions, positions - n)]
-    qs = np.where(in_ring, epoch * n + positions, -1)
-    rows = np.where(in_ring, qs % slots, -1)
+    slots = ring.slots
+    indices, qs = ring.sequence(epoch, positions)
+    rows = np.where(qs >= 0, qs % slots, -1)
     if reader.variable:  # max_shapes fields: read one position at a time
         columns, missing = _per_position(reader, len(positions)), list(range(len(positions)))
     else:
@@ -199,8 +205,10 @@ class StreamLoader:
     ``StreamReads``.
 
     Takes DataLoader's arguments except those that choose the order (``shuffle``, ``sampler``, ``batch_sampler``,
-    ``generator``: the stream's seeded order is fixed), plus ``rank``/``world_size`` (default: the local rank and
-    the ranks of this node that share the ring, as ``prefill`` finds them).
+    ``generator``: the stream's seeded order is fixed), plus ``rank``/``world_size``: this process's place in the
+    job (default: the job's, as ``ds.loader`` finds it: a process group, torchrun, SLURM), whose part of each epoch
+    it reads, as ``DistributedSampler`` splits it (``reader_place``). One process reads a rank: a second reader of it
+    is refused (``CacheInUseError``) while the first one's loader lives.
     """
 
     def __init__(self, ds: _StreamDataset, pad: PadCollate | None, **kwargs: Any) -> None:
@@ -212,16 +220,10 @@ class StreamLoader:
         batch_size = kwargs.pop("batch_size", 1)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1 for a stream, got {batch_size!r}")
-        rank, world_size = kwargs.pop("rank", None), kwargs.pop("world_size", None)
-        if (rank is None) != (world_size is None):
-            raise TypeError("ds.loader() takes both rank= and world_size=, or neither (for the environment's)")
-        if rank is None:
-            from ..store.share import local_rank_and_size
-
-            rank, world_size = local_rank_and_size(ds.path)
-        if not 0 <= rank < world_size <= _MAX_RANKS:
-            raise ValueError(f"rank {rank} of {world_size}: need 0 <= rank < world_size <= {_MAX_RANKS}")
-        self.ds, self.rank, self.ranks = ds, rank, world_size
+        ring = ds.stream_reads().ring
+        self.job_rank, self.job_size, rank, ranks = reader_place(ring, kwargs.pop("rank", None),
+                                                                 kwargs.pop("world_size", None))
+        self.ds, self.rank, self.ranks = ds, rank, ranks  # (this node's ranks that read its ring)
         self.batch_size, self.drop_last = batch_size, bool(kwargs.pop("drop_last", False))
         # A batch of every rank spans batch_size * world_size positions, and a rank reads the batch in use and
         # num_workers * prefetch_factor more ahead of its cursor; producers may work at most `slots` ahead of the
@@ -229,20 +231,22 @@ class StreamLoader:
         # them. (With one more batch of room, producers can also work ahead of the readers.)
         workers = kwargs.get("num_workers") or 0
         batches = 2 + workers * (kwargs.get("prefetch_factor") or 2)
-        slots = ds.stream_reads().ring.slots
-        if slots < min(batches * batch_size * world_size, len(ds)):  # a ring of a whole epoch is never too small
+        slots = ring.slots
+        if slots < min(batches * batch_size * ranks, ring.length):  # a ring of a whole epoch is never too small
             warn(f"the stream at {ds.path} holds {slots} samples in its ring, fewer than the {batches} batches of all "
-                 f"its readers that they read ahead and use ({batches} x {batch_size} x {world_size}; 2 + num_workers "
-                 "x prefetch_factor batches): readers will compute many samples themselves while producers' work "
-                 "goes unread; create the stream with a larger max_bytes", StreamBypassWarning)
+                 f"its node's readers that they read ahead and use ({batches} x {batch_size} x {ranks}; 2 + "
+                 "num_workers x prefetch_factor batches): readers will compute many samples themselves while "
+                 "producers' work goes unread; create the stream with a larger max_bytes", StreamBypassWarning)
         collate = kwargs.pop("collate_fn", None)
-        self.per_rank = -(-len(ds) // world_size)
+        self.per_rank = ring.per_rank(ranks)
+        self._reading: weakref.finalize | None = None
         self._plan = _Plan()
-        self._loader = DataLoader(_StreamReads(ds, rank, world_size, pad, None if pad is not None else collate),
+        self._loader = DataLoader(_StreamReads(ds, rank, ranks, pad, None if pad is not None else collate),
                                   batch_size=None, sampler=self._plan, collate_fn=_whole, **kwargs)
 
     def __iter__(self) -> Iterator[Any]:
         reads = self.ds.stream_reads()
+        self._hold(reads.ring)
         epoch, start = reads.start(self.rank, self.ranks)
         stop = self.per_rank - (self.per_rank - start) % self.batch_size if self.drop_last else self.per_rank
         self._plan.items = [(epoch, a, min(a + self.batch_size, stop)) for a in range(start, stop, self.batch_size)]
@@ -256,12 +260,29 @@ class StreamLoader:
         """Batches in one whole epoch of this rank."""
         return self.per_rank // self.batch_size if self.drop_last else -(-self.per_rank // self.batch_size)
 
+    def _hold(self, ring: Ring) -> None:
+        """Takes this rank's reader lock for as long as this loader lives (``Ring.hold_reader``)."""
+        if self._reading is not None and self._reading.alive:
+            return
+        key = (ring.store.path, self.rank)
+        if not _held.get(key):
+            other = ring.hold_reader(self.rank)
+            if other is not None:
+                who = f"process {other}" if other > 0 else "another process"
+                raise CacheInUseError(
+                    f"rank {self.job_rank} of {self.job_size} of the stream at {ring.store.path} is being read by "
+                    f"{who}: two readers of one rank would each be served values the other was served (each moves "
+                    "the rank's one cursor). Run each rank once (the same script started twice is two readers), or "
+                    "give the other job its own stream (another path)", users=(other,) if other > 0 else ())
+        _held[key] = _held.get(key, 0) + 1
+        self._reading = weakref.finalize(self, _release, ring, key)
+
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is in the stream: its epoch and the positions handed to the training loop (its cursor,
         which the ring also keeps). ``CacheLoader``'s protocol."""
         epoch, position = self.ds.stream_reads().progress(self.rank) or (self.ds.epoch, 0)
-        return {"format": _STREAM_STATE_FORMAT, "length": len(self.ds), "world_size": self.ranks, "rank": self.rank,
-                "batch_size": self.batch_size, "epoch": epoch, "position": position}
+        return {"format": _STREAM_STATE_FORMAT, "length": len(self.ds), "world_size": self.job_size,
+                "rank": self.job_rank, "batch_size": self.batch_size, "epoch": epoch, "position": position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Moves this rank's cursor to where ``state`` was (a checkpoint restored after the run went on: the
@@ -276,16 +297,92 @@ class StreamLoader:
                              "state_dict() returned")
         # Not the rank: ranks read their parts in step, and a trainer saves one rank's state (Lightning, rank 0's),
         # from which each rank resumes its own cursor at the same position.
-        mine = {"length": len(self.ds), "world_size": self.ranks, "batch_size": self.batch_size}
+        mine = {"length": len(self.ds), "world_size": self.job_size, "batch_size": self.batch_size}
         differ = [f"{key} {state.get(key)!r} in the state, {value!r} here" for key, value in mine.items()
                   if state.get(key) != value]
         if differ:
             raise ValueError(f"this loader state was saved by a loader of another shape ({'; '.join(differ)}): "
                              "resuming from it would read other positions")
-        self.ds.stream_reads().seek(self.rank, self.ranks, int(state["epoch"]), int(state["position"]))
+        reads = self.ds.stream_reads()
+        epoch = _state_int(state, "epoch", reads.ring.last_epoch())
+        position = _state_int(state, "position", self.per_rank)
+        reads.seek(self.rank, self.ranks, epoch, position)
 
 
-_STREAM_STATE_FORMAT = "mmapcache.stream_loader/1"
+_STREAM_STATE_FORMAT = "mmapcache.stream_loader/1"  # world_size and rank: the job's (on one node, the node's)
+
+
+def _state_int(state: dict[str, Any], key: str, high: int) -> int:
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= high:
+        raise ValueError(f"stream loader state key {key!r}: {value!r}, expected an int from 0 to {high}; load what "
+                         "ds.loader().state_dict() returned, unedited")
+    return int(value)
+
+
+# Reader locks this process holds, by (stream path, local rank), with the loaders holding each: POSIX locks belong
+# to the process, so the lock is released when the last of its loaders goes.
+_held: dict[tuple[str, int], int] = {}
+
+
+def _release(ring: Ring, key: tuple[str, int]) -> None:
+    _held[key] -= 1
+    if not _held[key]:
+        del _held[key]
+        with contextlib.suppress(OSError, ValueError):  # the ring closed with its dataset: the lock went with it
+            ring.release_reader(key[1])
+
+
+def reader_place(ring: Ring, rank: int | None, world_size: int | None) -> tuple[int, int, int, int]:
+    """``(job rank, job size, local rank, local ranks)`` of a reader of ``ring``: its rank in the job (``rank=``/
+    ``world_size=``, else the job's: ``store.share.job_rank_and_size``), and its place among the ranks of the node
+    whose ring this is (``store.split``: all of them on one node).
+
+    Raises:
+        CacheMismatchError: the stream was made for another job: another number of nodes or ranks, or another node
+            (its ring holds other positions), or one node's stream read by a job of several nodes (found in the
+            environment), whose nodes would each compute the whole order.
+        ValueError, TypeError: a rank outside the world size; one of ``rank``/``world_size`` without the other.
+    """
+    from ..store.share import job_rank_and_size, node_of_process
+
+    if (rank is None) != (world_size is None):
+        raise TypeError("ds.loader() takes both rank= and world_size=, or neither (for the environment's)")
+    found = rank is None
+    if rank is None or world_size is None:
+        rank, world_size = job_rank_and_size()
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    rank, world_size = int(rank), int(world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of {world_size}: need 0 <= rank < world_size")
+    split, path = ring.split, ring.store.path
+    if split.nodes == 1:
+        nodes = node_of_process()[1] if found and world_size > 1 else 1
+        if nodes > 1:
+            raise CacheMismatchError(
+                f"the stream at {path} holds every position of the order, for a job of one node, but this process is "
+                f"rank {rank} of a job of {nodes} nodes: each node would compute the whole order for its ranks' part "
+                f"of it. Remove it (`mmapcache rm {path}`) and let the job create it (its ranks open it with "
+                "stream=True: each node's then holds its ranks' part), or pass rank= and world_size= to read it as "
+                "one node's ranks")
+        if world_size > _MAX_RANKS:
+            raise ValueError(f"a stream has at most {_MAX_RANKS} readers per node, not {world_size}")
+        return rank, world_size, rank, world_size
+    if world_size != split.world:
+        raise CacheMismatchError(
+            f"this loader is rank {rank} of a job of {world_size} ranks, but the stream at {path} holds node "
+            f"{split.node}'s part of a job of {split.nodes} nodes of {split.ranks} ranks ({split.world}): its ring "
+            f"holds the positions of that split. A stream keeps the shape of the job that made it: remove it "
+            f"(`mmapcache rm {path}`, or use a new path) when the number of nodes or of ranks per node changes")
+    if not split.first <= rank < split.first + split.ranks:
+        raise CacheMismatchError(
+            f"rank {rank} of {world_size} is not a rank of node {split.node} of {split.nodes} (ranks {split.first} "
+            f"to {split.first + split.ranks - 1} of {split.world}), whose stream is at {path}: each node needs its own "
+            "stream, on its own /dev/shm (or MMAPCACHE_DIR), and its ranks numbered node by node (torchrun's and "
+            "SLURM's block order)")
+    return rank, world_size, rank - split.first, split.ranks
 
 
 _MAX_RANKS = 256

@@ -21,8 +21,9 @@ def users_of(path: str) -> list[int]:
     return holders_of(path, fmt.USERS)
 
 
-def holders_of(path: str, name: str) -> list[int]:
-    """Pids holding an ``flock`` on the cache file ``name`` (``users``, ``producers``), from ``/proc/locks``."""
+def holders_of(path: str, name: str, posix_at: int | None = None) -> list[int]:
+    """Pids holding an ``flock`` on the cache file ``name`` (``users``, ``producers``), or with ``posix_at`` a POSIX
+    lock on that byte of it (a stream's reader of a rank), from ``/proc/locks``."""
     try:
         st = os.stat(os.path.join(path, name))
         with open("/proc/locks", encoding="ascii") as f:
@@ -34,7 +35,9 @@ def holders_of(path: str, name: str) -> list[int]:
         parts = line.split()
         if "->" in parts:  # a waiter, shown as "1: -> FLOCK ..."
             parts.remove("->")
-        if len(parts) < 6 or parts[1] != "FLOCK":
+        if len(parts) < 6 or parts[1] != ("FLOCK" if posix_at is None else "POSIX"):
+            continue
+        if posix_at is not None and (len(parts) < 7 or parts[6] != str(posix_at)):
             continue
         dev_ino = parts[5].split(":")
         if len(dev_ino) == 3 and int(dev_ino[2]) == st.st_ino and int(dev_ino[1], 16) == os.minor(st.st_dev) \

@@ -1,10 +1,12 @@
 """Stream mode: a ring of rows holding the next positions of each epoch's order, each value served at most once.
 
 A stream cache (``mode: "stream"``, see ``format.spec``) keeps no sample for good. Epoch ``e``'s order is the seeded
-permutation ``order(e)`` of the ``N`` indices, the same in every process; its position ``p`` is the global sequence
-number ``q = e * N + p``, stored (when a producer has computed it) in row ``q % S`` with key ``q``. Rank ``r`` of
-the ``W`` consumer ranks of a node reads positions ``r, r + W, ...`` of every epoch, as ``DistributedSampler``
-splits indices: ``ceil(N / W)`` each, the last ones past ``N`` padding (computed by the rank itself, from the
+permutation ``order(e)`` of the ``N`` indices, the same in every process. The ring holds the node's sequence of it
+(``store.split``: every position on one node; in a job of several nodes, those its ranks read): sequence position
+``j`` of epoch ``e`` has the sequence number ``q = e * M + j`` (``M`` positions a node holds per epoch, ``N`` on one
+node), stored (when a producer has computed it) in row ``q % S`` with key ``q``. Local rank ``r`` of the node's
+``L`` ranks reads sequence positions ``r, r + L, ...``: its job rank's part as ``DistributedSampler`` splits the
+order, ``ceil(N / W)`` positions each, the last ones past the sequence padding (computed by the rank itself, from the
 start of the order, never stored).
 
 Consumers move their cursor (``ring.u64``: two words per rank, the next sequence number the rank will read, and
@@ -33,6 +35,7 @@ from ..format import spec as fmt
 from .admin import holders_of
 from .files import open_file
 from .lock import ChunkClaims
+from .split import StreamSplit
 from .state import map_exact
 
 __all__ = ["Ring", "RING_WORDS", "MAX_RANKS", "epoch_order", "producers_of", "register_producer"]
@@ -44,6 +47,7 @@ RING_WORDS = fmt.RING_WORDS  # HEADER + 2 * MAX_RANKS
 _COUNTERS = {"produced": PRODUCED, "served": SERVED, "computed": COMPUTED, "waited_ns": WAITED_NS,
              "skipped": SKIPPED}
 _PROGRESS_BITS = 32  # progress word: epoch << 32 | (k + 1); 0 = the rank never read
+READER_LOCKS = 1 << 40  # a reader of rank r holds a POSIX lock on byte READER_LOCKS + r of `lock` (format.spec)
 
 
 def epoch_order(seed: int, epoch: int, length: int) -> np.ndarray:
@@ -60,7 +64,9 @@ class Ring:
 
     def __init__(self, store: Any) -> None:
         self.store, self.state = store, store.state
-        self.length: int = store.length
+        self.size: int = store.length  # N: the dataset, the order's length
+        self.split = StreamSplit.from_json(store.meta["stream"].get("split"))
+        self.length: int = self.split.positions(self.size)  # M: the sequence positions of an epoch on this node
         self.slots: int = store.slots
         self.seed: int = store.meta["stream"]["seed"]
         access = mmap.ACCESS_WRITE if store.writable else mmap.ACCESS_READ
@@ -74,20 +80,27 @@ class Ring:
     def order(self, epoch: int) -> np.ndarray:
         cached = self._order
         if cached[0] != epoch:
-            cached = self._order = (epoch, epoch_order(self.seed, epoch, self.length))
+            cached = self._order = (epoch, epoch_order(self.seed, epoch, self.size))
         return cached[1]
 
     def index_of(self, q: int) -> int:
         """The source index at sequence number ``q``."""
-        epoch, position = divmod(q, self.length)
-        return int(self.order(epoch)[position])
+        epoch, j = divmod(q, self.length)
+        return int(self.order(epoch)[int(self.split.position(np.array([j], np.int64))[0])])
+
+    def sequence(self, epoch: int, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The source indices of sequence positions ``js`` (int64) of ``epoch``, and their sequence numbers (-1 for
+        padding, past the node's ``M`` positions: ``DistributedSampler`` takes those from the order's start)."""
+        positions = self.split.position(js)
+        indices = self.order(epoch)[positions % self.size]
+        return indices, np.where(js < self.length, epoch * self.length + js, -1)
 
     # --- consumers --------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def per_rank(length: int, ranks: int) -> int:
-        """Positions each of ``ranks`` consumers reads per epoch: ``ceil(N / W)``, as ``DistributedSampler``."""
-        return -(-length // ranks)
+    def per_rank(self, ranks: int) -> int:
+        """Positions each of the node's ``ranks`` consumers reads per epoch: ``ceil(N / W)``, as
+        ``DistributedSampler`` (``W``: the job's ranks, ``ranks`` times the nodes)."""
+        return -(-self.size // (ranks * self.split.nodes))
 
     def progress(self, rank: int) -> tuple[int, int] | None:
         """``(epoch, k)``: rank ``rank`` has consumed its first ``k`` positions of ``epoch``; None if it never read.
@@ -101,7 +114,7 @@ class Ring:
         epoch, k = word >> _PROGRESS_BITS, (word & ((1 << _PROGRESS_BITS) - 1)) - 1
         if not self._is_place(epoch, k):
             raise self._damaged(f"rank {rank}'s progress (epoch {epoch}, position {k}) describes no place in the "
-                                f"stream of {self.length} samples")
+                                f"stream of {self.size} samples")
         return epoch, k
 
     def _damaged(self, problem: str) -> CacheFormatError:
@@ -116,7 +129,7 @@ class Ring:
         return min((1 << _PROGRESS_BITS) - 2, (1 << 63) // max(self.length, 1) - 2)
 
     def _is_place(self, epoch: int, k: int) -> bool:
-        return 0 <= epoch <= self.last_epoch() and 0 <= k <= self.length
+        return 0 <= epoch <= self.last_epoch() and 0 <= k <= self.size
 
     def set_progress(self, rank: int, ranks: int, epoch: int, k: int) -> None:
         """Records that rank ``rank`` of ``ranks`` consumed its first ``k`` positions of ``epoch``; its cursor
@@ -127,8 +140,8 @@ class Ring:
             ValueError: ``epoch`` is past ``last_epoch()``, or ``k`` outside the epoch.
         """
         if not self._is_place(epoch, k):
-            raise ValueError(f"epoch {epoch}, position {k} is no place in this stream of {self.length} samples "
-                             f"(epochs 0 to {self.last_epoch()}, positions 0 to {self.length})")
+            raise ValueError(f"epoch {epoch}, position {k} is no place in this stream of {self.size} samples "
+                             f"(epochs 0 to {self.last_epoch()}, positions 0 to {self.size})")
         position = rank + k * ranks
         cursor = epoch * self.length + position if position < self.length else (epoch + 1) * self.length + rank
         self.words[HEADER + 2 * rank] = cursor + 1
@@ -199,6 +212,8 @@ class Ring:
         return self.state.under_lock(self._claim_locked)
 
     def _claim_locked(self) -> int | None:
+        if not self.length:  # a node of a job with more ranks than samples: it holds nothing
+            return None
         low = self.low()
         q = max(int(self.words[NEXT]), low)
         if q < low + self.slots and self.claims.try_claim(q % self.slots):
@@ -256,6 +271,20 @@ class Ring:
     def release(self, q: int) -> None:
         """Gives up a claim without publishing (the source raised): a consumer will compute the position."""
         self.claims.release(q % self.slots)
+
+    # --- readers (one process per rank) ---------------------------------------------------------------------------
+
+    def hold_reader(self, rank: int) -> int | None:
+        """Takes rank ``rank``'s reader lock for this process (kept until ``release_reader`` or the process ends):
+        None if taken, else the pid of the other process reading that rank (-1 if it cannot be told). Two readers of
+        one rank would each be served positions the other was served (each moves the rank's one cursor)."""
+        if self.claims.try_claim(READER_LOCKS + rank):
+            return None
+        holders = holders_of(self.store.path, fmt.LOCK, posix_at=READER_LOCKS + rank)
+        return holders[0] if holders else -1
+
+    def release_reader(self, rank: int) -> None:
+        self.claims.release(READER_LOCKS + rank)
 
     def close(self) -> None:
         self.claims.close()
