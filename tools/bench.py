@@ -30,6 +30,7 @@ from bench_modes import run_nodeshare, run_stream, run_stream_nodes
 from bench_reads import run_captions, run_fixed, run_tokens
 from bench_report import machine, summarize, write
 from bench_side import run_build, run_features, run_lock, run_memory, run_stocaching
+from bench_ways import run_ways
 from bench_workloads import DICT, IMAGES12K, IMAGES150K, TABULAR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,14 +51,16 @@ GROUPS: dict[str, Callable[[Config, Results], None]] = {
     "stocaching": run_stocaching,
     "memory": run_memory,
     "build": run_build,
+    "waysin": run_ways,  # the ways samples get in (issue 28)
     "lock": run_lock,
     "features": run_features,
 }
 
 
-# Groups run only when named in --only: streamnodes starts two torchrun jobs of 4 ranks per round and mode (half a
-# minute of both cores even with --quick, which the test suite's smoke run of every other group cannot spare).
-ON_REQUEST = {"streamnodes"}
+# Groups run only when named in --only: streamnodes starts two torchrun jobs of 4 ranks per round and mode, and
+# waysin builds start worker processes (each half a minute of both cores or more even with --quick, which the test
+# suite's smoke run of every other group cannot spare).
+ON_REQUEST = {"streamnodes", "waysin"}
 
 
 def run_once(groups: list[str], cfg: Config) -> dict[str, Any]:

@@ -55,4 +55,13 @@ TARGETS: dict[str, Target] = {
     # side groups
     "memory.pss": Target("memory", "memory: readers' summed PSS growth vs data size", "<=", 1.05),
     "build.scaling": Target("build", "build: 2 workers vs 1 worker (CPU-bound source)", ">=", 1.8),
+    # ways in (issue 28), a group run on request (--only waysin): "x" is time, not rate
+    "waysin.fill_64": Target("waysin", "64 B rows: ds.fill() time x the loader's batched misses", "<=", 1.15),
+    "waysin.fill_12k": Target("waysin", "12 KB rows: ds.fill() time x the loader's batched misses", "<=", 1.15),
+    "waysin.build_64": Target("waysin", "64 B rows: build(workers=1) marginal time x the loader's", "<=", 1.3),
+    "waysin.build_12k": Target("waysin", "12 KB rows: build(workers=1) marginal time x the loader's", "<=", 1.3),
+    "waysin.build2_64": Target("waysin", "64 B rows: build, 2 workers vs 1 (rate)", ">=", 1.0),
+    "waysin.build2_12k": Target("waysin", "12 KB rows: build, 2 workers vs 1 (rate)", ">=", 1.0),
+    "waysin.getitem_over_source": Target("waysin", "64 B rows: ds[i] cold, us over the source", "<=", 15.0),
+    "waysin.prefill": Target("waysin", "prefill() of 1M 64 B rows, time x a cold ds.loader epoch", "<=", 1.15),
 }

@@ -180,7 +180,8 @@ def build(
         if refresh:
             report.refresh_seed = secrets.randbits(32) if seed is None else seed
             report.marked_stale = _mark_stale(store, refresh, report.refresh_seed)
-        plan = Plan(path, spec, chunk_rows(store.rows), start, stop, fail_fast)
+        row_bytes = sum(field.nbytes for field in store.layout.fields)
+        plan = Plan(path, spec, chunk_rows(store.rows, row_bytes), start, stop, fail_fast)
         driver = Driver(store, plan, workers, shard, report, progress, out or sys.stdout, started)
         if created:
             driver.created()

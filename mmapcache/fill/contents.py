@@ -4,8 +4,6 @@ methods are the dataset's public API, written beside the miss path they drive.""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +13,6 @@ from ..errors import SampleNotCachedError
 from ..read.reader import RowReader
 from ..store.heap import UNCACHED
 from ..store.rows import RowMap, check_index, check_indices
-from ..store.state import NoRoom
 from .misses import Misses
 from .prefill import DEFAULT_PATIENCE, prefill
 
@@ -128,15 +125,15 @@ class CacheContents:
                 f"fill() needs the source dataset: {len(todo)} sample(s) of the cache at {self.path} are unfilled "
                 f"or stale (first: {int(todo[0])}); open it with MmapCachedDataset(path, dataset)"
             )
-        state, stored = reader.state, 0
-        keyed = self._rows.keyed
-        for i in todo.tolist():
-            row = self._rows.row(i, self._epoch_view[0])
-            # Re-checked (others fill too); publish checks again under the lock.
-            if not state.is_filled(row) or state.stale[row >> 3] >> (row & 7) & 1 or (keyed and state.keys[row] != i):
-                values = self._misses.checked(reader, self._misses.fetch(i), i)
-                with contextlib.suppress(NoRoom):  # no heap room: stays a miss (counted in the heap, warned once)
-                    stored += state.publish(row, i, functools.partial(self._misses.writer.write, row, values))
+        if len(todo):
+            reader.state.check_writable()
+        # Computed, checked and stored a batch at a time, as the loader's misses are (Misses.store_batch): one writer
+        # lock per batch, not per row. A batch of about 4 MB: its buffers are reused from one batch to the next.
+        per_batch = max(1, min(1024, (4 << 20) // max(1, reader.row_bytes)))
+        epoch, stored = self._epoch_view[0], 0
+        for start in range(0, len(todo), per_batch):
+            idx = todo[start:start + per_batch]
+            stored += self._misses.store_batch(idx, self._rows.rows_of(idx, epoch))
         return stored
 
     def prefill(self, *, rank: int | None = None, world_size: int | None = None, barrier: bool = True,

@@ -60,6 +60,9 @@ class BuildReport:
     share: str | None = None  # the node share the cache holds, described (node k of N: M indices)
     no_room: int = 0  # rows not stored because a heap had no room (max_bytes, or the file system)
     stream: bool = False  # a stream's producers ran: ``filled`` counts values produced, ``skipped`` those too late
+    # Rows stored between the first chunk's result and the last, and the seconds between: the fill's own rate,
+    # without starting the workers and building their sources (the benchmark's marginal cost per sample).
+    steady: tuple[int, float] = (0, 0.0)
 
     @property
     def ok(self) -> bool:
@@ -94,6 +97,7 @@ class Driver:
         self.store, self.plan, self.workers, self.report = store, plan, workers, report
         self.rowmap = RowMap.of(store)
         self.out, self.started = out, started
+        self._first_result: tuple[float, int] | None = None  # when the first chunk reported, and the rows then
         n_chunks = -(-store.rows // plan.chunk)
         chunks = np.arange(n_chunks, dtype=np.int64)
         if shard is not None:
@@ -232,6 +236,11 @@ class Driver:
                 if result["busy"]:
                     busy.append(result["chunk"])
                 self._account(result)
+                now = time.monotonic()
+                if self._first_result is None:
+                    self._first_result = (now, self.report.filled)
+                else:
+                    self.report.steady = (self.report.filled - self._first_result[1], now - self._first_result[0])
                 if self._stop():
                     break
         except RuntimeError as exc:

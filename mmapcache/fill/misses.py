@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ from ..store.writer import RowWriter
 # A batch's computed misses: (position in the batch, source index, checked values or None when the values are
 # only in the batch's columns; see Misses.fill).
 Computed = list[tuple[int, int, "list[Any] | None"]]
+OnError = Callable[[int, Exception], None]  # told of a sample the source or its check failed on: (index, error)
 
 
 def fetcher(source: Any, path: str) -> Callable[[int], Any]:
@@ -102,46 +103,76 @@ class Misses:
         if not self.store.writable:
             _warn_read_only(self.path)
             return values
-        with self._unless_removed(), contextlib.suppress(NoRoom):  # no heap room: served uncached (counted, warned)
+        try:
             self.store.state.publish(row, index, functools.partial(self.writer.write, row, values))
+        except NoRoom:  # no heap room: served uncached (counted, and warned once)
+            pass
+        except CacheFormatError as exc:
+            self._if_removed(exc, strict=False)
         return values
 
-    @contextlib.contextmanager
-    def _unless_removed(self) -> Iterator[None]:
-        """Publishes, or, if the cache was removed or replaced under this process (its writer lock then refuses
-        before anything is written), serves what was computed uncached: nobody else could read it."""
-        try:
-            yield
-        except CacheFormatError:
-            if not self.store.moved():
-                raise
-            if self.path not in _warned_removed:
-                _warned_removed.add(self.path)
-                warn(f"the cache at {self.path} was removed or replaced while this process used it: the samples it "
-                     "lacks are computed from the source and served, not stored; open the dataset again to cache "
-                     "anew", CacheRemovedWarning)
+    def _if_removed(self, exc: CacheFormatError, strict: bool) -> None:
+        """``exc`` came from publishing: if the cache was removed or replaced under this process (its writer lock
+        then refuses before anything is written), what was computed is served uncached (nobody else could read it),
+        with a warning; otherwise, or ``strict`` (a fill, whose purpose is to store), ``exc`` is raised."""
+        if strict or not self.store.moved():
+            raise exc
+        if self.path not in _warned_removed:
+            _warned_removed.add(self.path)
+            warn(f"the cache at {self.path} was removed or replaced while this process used it: the samples it lacks "
+                 "are computed from the source and served, not stored; open the dataset again to cache anew",
+                 CacheRemovedWarning)
 
     # --- a batch's misses --------------------------------------------------------------------------------------
 
-    def fill(self, idx: np.ndarray, rows: np.ndarray, columns: list[Any], missing: list[int]) -> None:
+    def store_batch(self, idx: np.ndarray, rows: np.ndarray) -> int:
+        """Computes the samples ``idx`` (cache rows ``rows``) and stores those whose rows are not complete or are
+        stale, as a batch (``fill``'s path: ``ds.fill``, ``prefill``). Returns how many this call stored.
+
+        Raises:
+            CacheFormatError: the cache was removed or replaced (a fill has nothing to store into).
+        """
+        return self.fill(idx, rows, self.empty_columns(len(idx)), list(range(len(idx))), rewrite_stale=True)
+
+    def empty_columns(self, count: int) -> list[Any]:
+        """Columns for a batch of ``count`` samples to be computed: the gather's arrays with every position empty,
+        or for ``max_shapes`` fields (values of their own shapes) a list per field."""
+        if self.reader.variable:
+            return [[None] * count for _ in self.reader.fields]
+        return self.reader.gather(np.full(count, -1, np.int64))[0]
+
+    def fill(self, idx: np.ndarray, rows: np.ndarray, columns: list[Any], missing: list[int],
+             rewrite_stale: bool = False, on_error: OnError | None = None, no_room: list[int] | None = None) -> int:
         """Fills batch positions ``missing`` of the gathered ``columns`` (of source indices ``idx``, cache rows
         ``rows``): rows filled since the gather are read again, the others computed, checked and stored under one
-        acquisition of the writer lock. Samples computed before one that fails are kept."""
+        acquisition of the writer lock; with ``rewrite_stale`` (a fill), stale rows are computed and rewritten
+        too, and a removed cache is an error. Samples computed before one that fails are kept, and the failure
+        raised; with ``on_error`` (a build), ``on_error(index, exc)`` is told instead and the others are computed
+        (it may raise to stop). Rows a full heap could not take are added to ``no_room``. Returns how many rows this
+        call stored."""
         reader, keyed, fixed = self.reader, self.rows.keyed, self.reader.fixed
         computed: Computed = []
+        stale = reader.state.stale if rewrite_stale else None
+        stored = 0
         try:
             if self.batched and len(missing) > 1:
-                missing = self._compute_together(idx, rows, columns, missing, computed)
+                missing = self._compute_together(idx, rows, columns, missing, computed, rewrite_stale, on_error)
             # The rest one at a time (usually none left, or a handful).
             indices, row_list = idx[missing].tolist(), rows[missing].tolist()
             filled = reader.state.filled
             for k, index, row in zip(missing, indices, row_list):
-                # A row that was filled but rewritten during the gather: read it again.
+                # A row that was filled but rewritten during the gather: read it again (unless a fill rewrites it).
                 values = reader.read_values(row, index if keyed else -1) if row >= 0 and filled[row >> 3] >> (
-                    row & 7) & 1 else None
+                    row & 7) & 1 and (stale is None or not stale[row >> 3] >> (row & 7) & 1) else None
                 if values is None:
                     self.require_source(index, row)
-                    values = self.checked(reader, self.fetch(index), index)
+                    try:
+                        values = self.checked(reader, self.fetch(index), index)
+                    except Exception as exc:
+                        if on_error is None:
+                            raise
+                        on_error(index, exc)
+                        continue
                     if not fixed:  # kept until the batch is published: not a view of a buffer the source refills
                         values = [v.copy() if type(v) is np.ndarray else v for v in values]
                     if row >= 0:
@@ -150,10 +181,12 @@ class Misses:
                     column[k] = value
         finally:
             if computed:
-                self._publish_rows(rows, columns, computed)
+                stored = self._publish_rows(rows, columns, computed, strict=rewrite_stale, no_room=no_room)
+        return stored
 
     def _compute_together(self, idx: np.ndarray, rows: np.ndarray, columns: list[Any], missing: list[int],
-                          computed: Computed) -> list[int]:
+                          computed: Computed, rewrite_stale: bool = False,
+                          on_error: OnError | None = None) -> list[int]:
         """Computes the misses whose rows are still empty, checks them together and writes them into the batch
         ``columns`` (``RowReader.fill_batch``: one stack per field), adding the cacheable ones to ``computed``.
         When the batch check declines a sample, every computed sample is checked (or refused) one by one instead.
@@ -164,7 +197,10 @@ class Misses:
         positions = np.array(missing, np.int64)
         targets = rows[positions]
         cacheable = targets >= 0
-        refilled = cacheable & reader.state.filled_rows(np.where(cacheable, targets, 0))
+        safe = np.where(cacheable, targets, 0)
+        refilled = cacheable & reader.state.filled_rows(safe)
+        if rewrite_stale:
+            refilled &= ~reader.state.stale_rows(safe)
         todo = positions[~refilled]
         if not len(todo):
             return missing
@@ -175,7 +211,10 @@ class Misses:
         except Exception:
             # The samples fetched before the failure are kept, but not as fetched: a source that refills one buffer
             # may have overwritten them with the next samples, or with the failed one's half-written bytes, and
-            # one sample alone cannot show it. They are computed again, each copied out before the next.
+            # one sample alone cannot show it. They are computed again, each copied out before the next (with
+            # on_error, the whole batch is, by the per-sample path, which tells it of each failure).
+            if on_error is not None:
+                return missing
             with contextlib.suppress(Exception):
                 self._fetch_each(idx, rows, columns, todo[:len(samples)].tolist(), computed)
             raise
@@ -194,7 +233,7 @@ class Misses:
             keep = todo[cacheable[~refilled]]
             computed.extend((k, index, None) for k, index in zip(keep.tolist(), idx[keep].tolist()))
         else:
-            self._check_each(idx, rows, columns, todo.tolist(), samples, computed)
+            self._check_each(idx, rows, columns, todo.tolist(), samples, computed, on_error)
         return positions[refilled].tolist()
 
     def _fetch_each(self, idx: np.ndarray, rows: np.ndarray, columns: list[Any], todo: list[int],
@@ -205,22 +244,31 @@ class Misses:
             self._check_each(idx, rows, columns, [k], [self.fetch(index)], computed)
 
     def _check_each(self, idx: np.ndarray, rows: np.ndarray, columns: list[Any], todo: list[int],
-                    samples: list[Any], computed: Computed) -> None:
-        """Checks computed samples one by one (refusing a bad one with its index), writing each into the columns."""
+                    samples: list[Any], computed: Computed, on_error: OnError | None = None) -> None:
+        """Checks computed samples one by one (refusing a bad one with its index, or telling ``on_error`` of it),
+        writing each into the columns."""
         for k, sample in zip(todo, samples):
             index = int(idx[k])
-            values = self.checked(self.reader, sample, index)
+            try:
+                values = self.checked(self.reader, sample, index)
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                on_error(index, exc)
+                continue
             if rows[k] >= 0:
                 computed.append((k, index, values))
             for column, value in zip(columns, values):
                 column[k] = value
 
-    def _publish_rows(self, rows: np.ndarray, columns: list[Any], computed: Computed) -> None:
+    def _publish_rows(self, rows: np.ndarray, columns: list[Any], computed: Computed, strict: bool = False,
+                      no_room: list[int] | None = None) -> int:
         """Stores a batch's computed misses; the batch ``columns`` already hold the values (fixed layouts store
-        from them, each step vectorised; their values may be None, the columns filled by ``fill_batch``)."""
+        from them, each step vectorised; their values may be None, the columns filled by ``fill_batch``). Returns
+        how many rows were stored."""
         if not self.store.writable:
             _warn_read_only(self.path)
-            return
+            return 0
         reader, state = self.reader, self.store.state
         if reader.fixed:
             positions = np.array([k for k, _, _ in computed], np.int64)
@@ -228,16 +276,21 @@ class Misses:
             _, first = np.unique(targets, return_index=True)  # an index asked twice in a batch: stored once
             positions = positions[np.sort(first)]
             keys = np.array([index for _, index, _ in computed], np.int64)[np.sort(first)]
-            with self._unless_removed():
-                state.publish_rows(rows[positions], keys, lambda todo: self.writer.write_rows(rows, columns,
-                                                                                                 positions[todo]))
-            return
+            try:
+                return state.publish_rows(rows[positions], keys, lambda todo: self.writer.write_rows(
+                    rows, columns, positions[todo]))
+            except CacheFormatError as exc:
+                self._if_removed(exc, strict)
+                return 0
         writes: list[tuple[int, int, Callable[[bool], None]]] = []
         for k, index, values in computed:
             assert values is not None  # only fixed layouts leave the values in the columns alone
             writes.append((int(rows[k]), index, functools.partial(self.writer.write, int(rows[k]), values)))
-        with self._unless_removed():
-            state.publish_many(writes)
+        try:
+            return state.publish_many(writes, no_room)
+        except CacheFormatError as exc:
+            self._if_removed(exc, strict)
+            return 0
 
 
 def _finite(field: Field, value: Any) -> bool:

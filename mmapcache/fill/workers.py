@@ -1,9 +1,10 @@
 """The work of a build, in its worker processes: claiming chunks of rows and filling them from the source.
 
-Work is split into *chunks* of ``chunk_rows(rows)`` consecutive rows. A worker claims a chunk (a POSIX byte-range
-lock on byte ``chunk`` of the cache's ``lock`` file, dropped by the kernel if the worker dies), fills the chunk's
-rows that are unfilled or stale, and releases it. A *task* is a chunk, or one row of a chunk (how ``fill.build``
-finds a sample that kills its worker: see ``fill.build._Driver._isolate``).
+Work is split into *chunks* of ``chunk_rows(rows, row_bytes)`` consecutive rows. A worker claims a chunk (a POSIX
+byte-range lock on byte ``chunk`` of the cache's ``lock`` file, dropped by the kernel if the worker dies), fills
+the chunk's rows that are unfilled or stale (computed, checked and stored as one batch), and releases it. A *task*
+is a chunk, or one row of a chunk (how ``fill.build`` finds a sample that kills its worker: see
+``fill.build._Driver._isolate``).
 
 The workers are PyTorch DataLoader workers iterating a ``Filler``, a small dataset whose items are tasks: each
 builds its own copy of the source from a ``DatasetSpec`` and writes straight into the shared cache, returning only
@@ -27,6 +28,7 @@ from ..store.rows import RowMap
 from ..store.state import NoRoom
 from ..store.store import Store
 from ..store.writer import RowWriter
+from .misses import Misses
 from .specs import DatasetSpec
 
 __all__ = ["Plan", "Filler", "chunk_rows", "chunk_targets", "Task"]
@@ -36,10 +38,13 @@ _CLAIM_POLL = 0.05  # seconds between attempts on a chunk another build holds
 Task = tuple[int, int]  # (chunk, row): row -1 means every row of the chunk
 
 
-def chunk_rows(rows: int) -> int:
-    """Rows per chunk (the unit of claims and of work handed to a worker). A function of the cache alone, so
-    every build of one cache agrees on what chunk ``c`` is."""
-    return max(1, min(64, rows // 256))
+def chunk_rows(rows: int, row_bytes: int = 0) -> int:
+    """Rows per chunk (the unit of claims and of work handed to a worker, computed, checked and stored as one
+    batch): at least 64 chunks (for the workers to share), at most 1,024 rows and about 4 MB of fixed-size fields
+    (``row_bytes`` a row). A function of the cache alone, so every build of one cache agrees on what chunk ``c``
+    is. (Before 0.5: at most 64 rows, at least 256 chunks; a chunk's work costs about the same whatever its size, so
+    the per-row cost of small ones came from their count.)"""
+    return max(1, min(1024, rows // 64, (4 << 20) // max(1, row_bytes)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +85,7 @@ class _Worker:
         self.writer = RowWriter(self.store)
         self.claims = ChunkClaims(plan.path)
         self.dataset = plan.source()
+        self.misses = Misses(self.dataset, self.store, self.rows, self.reader, check_finite=False)
         self.set_epoch = getattr(self.dataset, "set_epoch", None) if self.store.variants > 1 else None
 
 
@@ -122,7 +128,10 @@ class Filler:
         return result
 
     def _fill(self, worker: _Worker, chunk: int, only: int, result: dict[str, Any]) -> None:
-        plan, state, reader = self.plan, worker.store.state, worker.reader
+        """Computes the chunk's rows that are unfilled or stale, checks them together and stores them under one
+        acquisition of the writer lock (``Misses.fill``, the loader's path), a variant at a time; a sample that
+        fails is recorded and the others stored."""
+        plan, state = self.plan, worker.store.state
         targets = chunk_targets(worker.rows, plan, chunk)
         if only >= 0:
             targets = targets[targets == only]
@@ -130,10 +139,53 @@ class Filler:
         result["skipped"] += int((~todo).sum())
         rows = targets[todo]
         indices, variants = worker.rows.index_and_variant(rows)
-        for row, index, variant in zip(rows.tolist(), indices.tolist(), variants.tolist()):
+        for variant in np.unique(variants).tolist() if worker.set_epoch is not None else [None]:
+            group = slice(None) if variant is None else variants == variant
+            if worker.set_epoch is not None:
+                worker.set_epoch(variant)  # sources that key their augmentation on the epoch
+            if not self._fill_rows(worker, indices[group], rows[group], variants[group], result):
+                return
+
+    def _fill_rows(self, worker: _Worker, indices: np.ndarray, rows: np.ndarray, variants: np.ndarray,
+                   result: dict[str, Any]) -> bool:
+        """Fills ``rows`` (of source ``indices``) as a batch; False when the build must stop (a removed cache, or
+        a failure under ``fail_fast``)."""
+        plan, variant = self.plan, int(variants[0]) if len(variants) else 0
+        failed: list[int] = []
+
+        def record(index: int, exc: Exception) -> None:
+            failed.append(index)
+            result["failed"].append((index, variant, f"{type(exc).__name__}: {exc}"))
+            if plan.fail_fast:
+                raise _Stop
+
+        no_room: list[int] = []
+        columns = worker.misses.empty_columns(len(rows))
+        try:
+            stored = worker.misses.fill(indices, rows, columns, list(range(len(rows))), rewrite_stale=True,
+                                        on_error=record, no_room=no_room)
+        except _Stop:  # the samples computed before the failure were stored (Misses.fill's own finally)
+            done = worker.store.state.filled_rows(rows, worker.rows.keys_of(rows)) & ~worker.store.state.stale_rows(
+                rows)
+            result["filled"] += int(done.sum())
+            return False
+        except (CacheFormatError, CacheNotFoundError) as exc:
+            if worker.store.moved():  # removed under us (`mmapcache rm --force`): not a sample's fault
+                result["removed"] = str(exc)
+                return False
+            # Damage met while storing (a heap's extent): each row again alone, so that it names its sample.
+            return self._fill_each(worker, indices, rows, variant, result)
+        result["filled"] += stored
+        result["no_room"] += no_room
+        result["skipped"] += len(rows) - stored - len(failed) - len(no_room)
+        return True
+
+    def _fill_each(self, worker: _Worker, indices: np.ndarray, rows: np.ndarray, variant: int,
+                   result: dict[str, Any]) -> bool:
+        """Fills ``rows`` one at a time, each published alone (where a batch met damage)."""
+        plan, state, reader = self.plan, worker.store.state, worker.reader
+        for row, index in zip(rows.tolist(), indices.tolist()):
             try:
-                if worker.set_epoch is not None:
-                    worker.set_epoch(variant)  # sources that key their augmentation on the epoch
                 values = reader.check(worker.dataset[index], index)
                 try:
                     stored = state.publish(row, index, functools.partial(worker.writer.write, row, values))
@@ -141,16 +193,21 @@ class Filler:
                     result["no_room"].append(row)  # the heap is full: reported, not an error of the sample
                     continue
             except (CacheFormatError, CacheNotFoundError) as exc:
-                if worker.store.moved():  # removed under us (`mmapcache rm --force`): not this sample's fault
+                if worker.store.moved():
                     result["removed"] = str(exc)
-                    return
+                    return False
                 result["failed"].append((index, variant, f"{type(exc).__name__}: {exc}"))
                 if plan.fail_fast:
-                    return
+                    return False
                 continue
             except Exception as exc:  # a bad sample must not stop the others (unless fail_fast)
                 result["failed"].append((index, variant, f"{type(exc).__name__}: {exc}"))
                 if plan.fail_fast:
-                    return
+                    return False
                 continue
             result["filled" if stored else "skipped"] += 1
+        return True
+
+
+class _Stop(Exception):
+    """A failure under ``fail_fast``: the chunk's fill stops there."""

@@ -208,6 +208,11 @@ class RowReader:
         return self.build(leaves if self.wrap is None else self.wrap(leaves))
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of a row's fixed-size fields (a ragged field's values are in its heap)."""
+        return sum(self._row_bytes)
+
+    @property
     def fixed(self) -> bool:
         """Whether every field has fixed-size rows (no ragged or ``max_shapes`` field): misses written as a batch."""
         return not self.ragged and not self.variable

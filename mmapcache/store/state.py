@@ -161,6 +161,10 @@ class SlotState:
 
     # --- writing (under the writer lock) -----------------------------------------------------------------------
 
+    def check_writable(self) -> None:
+        """Raises ``CacheReadOnlyError`` if this process cannot write the cache."""
+        self._require_writable()
+
     def _require_writable(self) -> None:
         if not self.writable:
             raise CacheReadOnlyError(
@@ -194,18 +198,22 @@ class SlotState:
             finally:
                 self._end_change_locked()
 
-    def publish_many(self, items: list[tuple[int, int, Callable[[bool], None]]]) -> int:
+    def publish_many(self, items: list[tuple[int, int, Callable[[bool], None]]],
+                     no_room: list[int] | None = None) -> int:
         """``publish`` for several ``(row, key, write)`` under one acquisition of the lock (a batch's misses);
-        rows without heap room (``NoRoom``) are skipped. Returns how many this call stored. Safe across processes
-        and threads."""
+        rows without heap room (``NoRoom``) are skipped (and added to ``no_room``). Returns how many this call
+        stored. Safe across processes and threads."""
         self._require_writable()
         stored = 0
         with self.lock:
             self._begin_change_locked()
             try:
                 for row, key, write in items:
-                    with contextlib.suppress(NoRoom):
+                    try:
                         stored += self._publish_locked(row, key, write)
+                    except NoRoom:
+                        if no_room is not None:
+                            no_room.append(row)
             finally:
                 self._end_change_locked()
         return stored

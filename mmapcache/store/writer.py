@@ -6,6 +6,7 @@ asked to (damage found in a heap's counters or a row's extent is refused before 
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -43,10 +44,11 @@ class RowWriter:
         """Copies a checked sample's values into ``row``. The caller holds the writer lock (``publish``), which
         says whether the row's previous heap extents are ``owned`` (intact, so reusable or freed).
 
-        Arrays go through ``pwrite`` (the kernel copies into the shared pages; no page faults in this process),
-        scalars through the map. Ragged values get their heap room first: with none for one of them, ``NoRoom`` is
-        raised before anything is written (the sample is then served uncached), and so is ``CacheFormatError`` for
-        a heap whose counters or this row's extent are damaged.
+        Arrays of a page or more go through ``pwrite`` (the kernel copies into the shared pages; no page faults in
+        this process), smaller ones and scalars through the map (a system call would cost more than the copy).
+        Ragged values get their heap room first: with none for one of them, ``NoRoom`` is raised before anything is
+        written (the sample is then served uncached), and so is ``CacheFormatError`` for a heap whose counters or
+        this row's extent are damaged.
         """
         if self.ragged:
             self._write_ragged(row, values, owned)
@@ -57,9 +59,9 @@ class RowWriter:
                 continue  # ragged: written above
             if shapes is not None:
                 shapes[row] = value.shape
-            if fd < 0 or data.ndim == 1:
+            if fd < 0 or data.ndim == 1 or (row_bytes < _PAGE_BYTES and shapes is None):
                 data[row] = value
-            else:
+            else:  # (a max_shapes field's value: its bytes at the row's start, whatever its shape)
                 _pwrite_all(fd, np.ascontiguousarray(value), offset + row * row_bytes)
 
     def write_rows(self, rows: np.ndarray, columns: list[np.ndarray], positions: np.ndarray) -> None:
@@ -67,16 +69,21 @@ class RowWriter:
         at a time (``fixed`` layouts). The caller holds the writer lock (``SlotState.publish_rows``).
 
         Small rows are stored through the map in one vectorised assignment per field (one system call per row
-        would cost more than the copy); rows of a page or more through ``pwrite`` each (no page faults here).
+        would cost more than the copy); rows of a page or more through ``pwrite`` (no page faults here), one per
+        run of consecutive rows that are consecutive in the batch too (a fill's or a build's chunk: one call).
         """
         targets = rows[positions]
+        # Runs [starts[j], starts[j + 1]) of rows following each other in the cache and in the batch.
+        breaks = np.flatnonzero((np.diff(targets) != 1) | (np.diff(positions) != 1)) + 1
+        starts = np.concatenate(([0], breaks, [len(targets)])).tolist()
         for data, fd, offset, row_bytes, column in zip(
                 self.data, self.store.data_fds, self.store.data_offsets, self._row_bytes, columns):
             if fd < 0 or data.ndim == 1 or row_bytes < _PAGE_BYTES:
                 data[targets] = column[positions]
                 continue
-            for row, k in zip(targets.tolist(), positions.tolist()):
-                _pwrite_all(fd, column[k], offset + row * row_bytes)
+            for a, b in itertools.pairwise(starts):
+                k = int(positions[a])
+                _pwrite_all(fd, column[k:k + b - a], offset + int(targets[a]) * row_bytes)
 
     def _write_ragged(self, row: int, values: list[Any], owned: bool) -> None:
         """Finds room for every ragged value of the row (all or nothing), writes them and their index rows, then

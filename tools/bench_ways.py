@@ -1,0 +1,140 @@
+"""Benchmark group ``waysin`` (issue 28): the ways samples get into a cache, per sample, against the bare source and
+against the loader's own batched misses, on cheap sources where the cache's cost shows.
+
+Two workloads: 64-byte rows and 12 KB rows, each with an int label, from a source that copies its row into a new
+tensor (``torch.from_numpy(row.copy())``, a few microseconds a sample, as a cheap preprocessing would). Sides, run
+in turn (A B C ... A B C ..., best round each), each on a new cache: the bare source in a loop; ``ds.loader``'s
+first epoch (batched misses); ``ds.fill()``; ``ds[i]`` for every ``i``; ``mmapcache.build`` with 1 and 2 workers,
+their marginal cost per sample (``BuildReport.steady``: the rows stored from the first chunk's result to the last,
+over that time: no start-up). And ``prefill()`` of 1M rows
+of 64 bytes against a cold ``ds.loader`` epoch over the same rows (100,000 with ``--quick``).
+
+Run on request (``--only waysin``): its builds start worker processes, a minute of both cores even with ``--quick``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+from bench_core import Config, Results, Side, Timed, interleave, load_now
+from bench_workloads import workspace
+from torch.utils.data import Dataset
+
+import mmapcache
+from mmapcache import MmapCachedDataset
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+
+
+class Rows(Dataset):
+    """Row ``i`` of a random ``(n, row_bytes)`` uint8 array, copied into a new tensor, and the label ``i``."""
+
+    def __init__(self, n: int, row_bytes: int) -> None:
+        self.n = n
+        self.data = np.random.default_rng(0).integers(0, 256, (n, row_bytes), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.from_numpy(self.data[i].copy()), i
+
+
+def rows(n: int = 1000, row_bytes: int = 64) -> Rows:
+    """The build's dataset spec (``bench_ways.py:rows``)."""
+    return Rows(n, row_bytes)
+
+
+def run_ways(cfg: Config, results: Results) -> None:
+    with workspace("waysin") as tmp:
+        for name, row_bytes, n in (("64 B rows", 64, cfg.size(20000, 4000)), ("12 KB rows", 12288,
+                                                                             cfg.size(8000, 1600))):
+            _ways(cfg, results, tmp, name, row_bytes, n)
+        _prefill(cfg, results, tmp)
+
+
+def _ways(cfg: Config, results: Results, tmp: str, name: str, row_bytes: int, n: int) -> None:
+    source = Rows(n, row_bytes)
+
+    def timed(work: Any) -> Timed:
+        return _on_a_new_cache(tmp, source, work)
+
+    def bare() -> None:
+        for i in range(n):
+            source[i]
+
+    def loader(ds: MmapCachedDataset) -> None:
+        for _ in ds.loader(batch_size=256):
+            pass
+
+    def getitem(ds: MmapCachedDataset) -> None:
+        for i in range(n):
+            ds[i]
+
+    def build(workers: int) -> Timed:
+        path = os.path.join(tmp, uuid.uuid4().hex[:8])
+        report = mmapcache.build(path, os.path.join(TOOLS, "bench_ways.py") + ":rows",
+                                 kwargs={"n": n, "row_bytes": row_bytes}, workers=workers, ragged=None, progress=False)
+        shutil.rmtree(path)
+        rows, seconds = report.steady  # from the first chunk's result to the last: no start-up
+        return Timed(rows, seconds)
+
+    sides = [Side("source", bare, n), Side("loader", lambda: timed(loader), autorange=False),
+             Side("fill", lambda: timed(lambda ds: ds.fill()), autorange=False),
+             Side("getitem", lambda: timed(getitem), autorange=False),
+             Side("build1", lambda: build(1), autorange=False), Side("build2", lambda: build(2), autorange=False)]
+    cmp = interleave(sides, 1 if cfg.quick else min(cfg.rounds, 3), warmup=0 if cfg.quick else 1)
+    per = {side: 1e6 / cmp.rate(side) for side in cmp.sides}  # microseconds a sample
+    note = (f"N={n}, {row_bytes} B + label, source {per['source']:.2f} us a sample; load "
+            f"{cmp.load()[0]:.2f}-{cmp.load()[1]:.2f}")
+    texts = {"loader": "ds.loader's first epoch (batched misses)", "fill": "ds.fill()",
+             "getitem": "ds[i] on a new cache", "build1": "build(workers=1), marginal",
+             "build2": "build(workers=2), marginal"}
+    for side, text in texts.items():
+        results.row("waysin", f"{name}: {text}, x the bare source / x the loader", per[side] / per["source"], "x",
+                    f"{per[side]:.2f} us a sample, {per[side] / per['loader']:.2f}x the loader; {note}", cmp.load())
+    key = "64" if row_bytes == 64 else "12k"
+    results.target(f"waysin.fill_{key}", per["fill"] / per["loader"], cmp.load(), note)
+    results.target(f"waysin.build_{key}", per["build1"] / per["loader"], cmp.load(), note)
+    results.target(f"waysin.build2_{key}", per["build1"] / per["build2"], cmp.load(), note)
+    if row_bytes == 64:
+        results.target("waysin.getitem_over_source", per["getitem"] - per["source"], cmp.load(), note)
+
+
+def _on_a_new_cache(tmp: str, source: Rows, work: Any) -> Timed:
+    """``work(ds)`` timed on a new cache of ``source`` (created, its first sample and probes stored, before the clock
+    starts), removed afterwards."""
+    ds = MmapCachedDataset(os.path.join(tmp, uuid.uuid4().hex[:8]), source, ragged=None)
+    start = time.perf_counter()
+    work(ds)
+    seconds = time.perf_counter() - start
+    ds.close()
+    shutil.rmtree(ds.path)
+    return Timed(len(source), seconds)
+
+
+def _prefill(cfg: Config, results: Results, tmp: str) -> None:
+    n = 100_000 if cfg.quick else 1_000_000
+    source = Rows(n, 64)
+
+    def timed(work: Any) -> Timed:
+        return _on_a_new_cache(tmp, source, work)
+
+    def epoch(ds: MmapCachedDataset) -> None:
+        for _ in ds.loader(batch_size=256):
+            pass
+
+    cmp = interleave([Side("prefill", lambda: timed(lambda ds: ds.prefill(rank=0, world_size=1, barrier=False)),
+                           autorange=False), Side("loader", lambda: timed(epoch), autorange=False)],
+                     1 if cfg.quick else min(cfg.rounds, 3), warmup=0)
+    note = (f"{n} rows of 64 B + label: prefill {n / cmp.rate('prefill'):.2f} s, a cold ds.loader epoch "
+            f"{n / cmp.rate('loader'):.2f} s")
+    results.row("waysin", f"prefill() of {n} rows of 64 B, time x a cold ds.loader epoch",
+                cmp.ratio("loader", "prefill"), "x", note, cmp.load())
+    results.target("waysin.prefill", cmp.ratio("loader", "prefill"), load_now(), note)
