@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..errors import (
     CacheInUseError,
-    CacheMismatchError,
     SampleNotCachedError,
     StreamBypassWarning,
     StreamTimeoutError,
@@ -30,6 +29,7 @@ from ..errors import (
 from ..store.ring import Ring, producers_of
 from .collate import PadCollate
 from .gather import alloc_shared
+from .stream_place import reader_place
 
 __all__ = ["StreamLoader", "StreamReads", "read_positions"]
 
@@ -333,59 +333,6 @@ def _release(ring: Ring, key: tuple[str, int]) -> None:
             ring.release_reader(key[1])
 
 
-def reader_place(ring: Ring, rank: int | None, world_size: int | None) -> tuple[int, int, int, int]:
-    """``(job rank, job size, local rank, local ranks)`` of a reader of ``ring``: its rank in the job (``rank=``/
-    ``world_size=``, else the job's: ``store.share.job_rank_and_size``), and its place among the ranks of the node
-    whose ring this is (``store.split``: all of them on one node).
-
-    Raises:
-        CacheMismatchError: the stream was made for another job: another number of nodes or ranks, or another node
-            (its ring holds other positions), or one node's stream read by a job of several nodes (found in the
-            environment), whose nodes would each compute the whole order.
-        ValueError, TypeError: a rank outside the world size; one of ``rank``/``world_size`` without the other.
-    """
-    from ..store.share import job_rank_and_size, node_of_process
-
-    if (rank is None) != (world_size is None):
-        raise TypeError("ds.loader() takes both rank= and world_size=, or neither (for the environment's)")
-    found = rank is None
-    if rank is None or world_size is None:
-        rank, world_size = job_rank_and_size()
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-    rank, world_size = int(rank), int(world_size)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} of {world_size}: need 0 <= rank < world_size")
-    split, path = ring.split, ring.store.path
-    if split.nodes == 1:
-        nodes = node_of_process()[1] if found and world_size > 1 else 1
-        if nodes > 1:
-            raise CacheMismatchError(
-                f"the stream at {path} holds every position of the order, for a job of one node, but this process is "
-                f"rank {rank} of a job of {nodes} nodes: each node would compute the whole order for its ranks' part "
-                f"of it. Remove it (`mmapcache rm {path}`) and let the job create it (its ranks open it with "
-                "stream=True: each node's then holds its ranks' part), or pass rank= and world_size= to read it as "
-                "one node's ranks")
-        if world_size > _MAX_RANKS:
-            raise ValueError(f"a stream has at most {_MAX_RANKS} readers per node, not {world_size}")
-        return rank, world_size, rank, world_size
-    if world_size != split.world:
-        raise CacheMismatchError(
-            f"this loader is rank {rank} of a job of {world_size} ranks, but the stream at {path} holds node "
-            f"{split.node}'s part of a job of {split.nodes} nodes of {split.ranks} ranks ({split.world}): its ring "
-            f"holds the positions of that split. A stream keeps the shape of the job that made it: remove it "
-            f"(`mmapcache rm {path}`, or use a new path) when the number of nodes or of ranks per node changes")
-    if not split.first <= rank < split.first + split.ranks:
-        raise CacheMismatchError(
-            f"rank {rank} of {world_size} is not a rank of node {split.node} of {split.nodes} (ranks {split.first} "
-            f"to {split.first + split.ranks - 1} of {split.world}), whose stream is at {path}: each node needs its own "
-            "stream, on its own /dev/shm (or MMAPCACHE_DIR), and its ranks numbered node by node (torchrun's and "
-            "SLURM's block order)")
-    return rank, world_size, rank - split.first, split.ranks
-
-
-_MAX_RANKS = 256
 
 
 class _Plan(Sampler):
