@@ -180,7 +180,9 @@ def build(
         if refresh:
             report.refresh_seed = secrets.randbits(32) if seed is None else seed
             report.marked_stale = _mark_stale(store, refresh, report.refresh_seed)
-        row_bytes = sum(field.nbytes for field in store.layout.fields)
+        # Ragged values' sizes are not the cache's to know: such layouts keep chunks of at most 64 rows.
+        row_bytes = max(sum(field.nbytes for field in store.layout.fields),
+                        (64 << 10) if any(field.ragged for field in store.layout.fields) else 0)
         plan = Plan(path, spec, chunk_rows(store.rows, row_bytes), start, stop, fail_fast)
         driver = Driver(store, plan, workers, shard, report, progress, out or sys.stdout, started)
         if created:

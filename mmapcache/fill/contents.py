@@ -129,7 +129,8 @@ class CacheContents:
             reader.state.check_writable()
         # Computed, checked and stored a batch at a time, as the loader's misses are (Misses.store_batch): one writer
         # lock per batch, not per row. A batch of about 4 MB: its buffers are reused from one batch to the next.
-        per_batch = max(1, min(1024, (4 << 20) // max(1, reader.row_bytes)))
+        # (Ragged values live in the heaps, their size unknown here: a batch of them is kept to the old chunk size.)
+        per_batch = max(1, min(64 if reader.ragged else 1024, (4 << 20) // max(1, reader.row_bytes)))
         epoch, stored = self._epoch_view[0], 0
         for start in range(0, len(todo), per_batch):
             idx = todo[start:start + per_batch]

@@ -207,7 +207,6 @@ class BatchOrder(DistributedSampler):
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         if not self.own:
             self._warn_if_whole()
-        self.settle()  # (done by CacheLoader before any draw of the pass; here for a bare BatchOrder)
         if self.draws_base_seed:
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         resume, self.resume = self.resume, None
