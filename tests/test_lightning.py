@@ -26,11 +26,15 @@ SCRIPT = os.path.join(TESTS, "helpers", "lightning_script.py")
 N = 96  # 6 batches of 8 per rank and epoch
 
 
-def _fit(out: str, cache: str, *args: str) -> None:
-    os.makedirs(out, exist_ok=True)
+def _fit(*jobs: tuple[str, ...]) -> None:
+    """Runs the jobs ``(out, cache, *options)`` one after the other in one new process (``lightning_script.py``)."""
+    argv: list[str] = []
+    for out, cache, *args in jobs:
+        os.makedirs(out, exist_ok=True)
+        argv += ["--next"] * bool(argv) + [out, cache, "--n", str(N), *args]
     env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, SCRIPT, out, cache, "--n", str(N), *args], env=env, capture_output=True,
-                          text=True, timeout=300, start_new_session=True)
+    done = subprocess.run([sys.executable, SCRIPT, *argv], env=env, capture_output=True, text=True, timeout=300,
+                          start_new_session=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
@@ -58,32 +62,29 @@ def _covered_once(records: list[dict[str, Any]], out: str, epochs: int) -> None:
     assert calls == list(range(N))
 
 
-def test_every_epoch_covers_the_dataset_once_under_ddp_spawn_with_workers(shm_dir: str, tmp_path: Any) -> None:
-    # (ddp: the uninterrupted job of the next test.) Lightning wrapped the loader's own shuffled order, drawn
-    # differently on each rank: each epoch trained on about three quarters of the data, a quarter of it twice.
-    out = str(tmp_path / "run")
-    _fit(out, os.path.join(shm_dir, "c"), "--strategy", "ddp_spawn", "--workers", "1")
-    _covered_once(_records(out), out, 2)
-
-
 def test_a_step_checkpoint_resumes_exactly_mid_epoch_and_on_an_epochs_last_step(shm_dir: str, tmp_path: Any) -> None:
-    # Checkpoints every 3 steps of 6-step epochs: step 6 is taken on epoch 0's last step, before the loader is
-    # exhausted. Resumed from it, the job trained 0 steps of epoch 1 and ended (the loader's state said "epoch 0, all
-    # batches yielded", and Lightning, moving on to epoch 1, got its empty rest); torchdata's StatefulDataLoader does
-    # the same. A resumed job must train what the uninterrupted one did from that step on, batch for batch.
+    # The uninterrupted job runs under ddp_spawn with a worker per rank: Lightning wrapped the loader's own shuffled
+    # order, drawn differently on each rank, and each epoch trained on about three quarters of the data, a quarter
+    # of it twice. It checkpoints every 3 steps of 6-step epochs: step 6 is taken on epoch 0's last step, before the
+    # loader is exhausted. Resumed from it, a job trained 0 steps of epoch 1 and ended (the loader's state said
+    # "epoch 0, all batches yielded", and Lightning, moving on to epoch 1, got its empty rest); torchdata's
+    # StatefulDataLoader does the same. A resumed job must train what the uninterrupted one did from that step on,
+    # batch for batch, here under ddp (the loader's order depends neither on its workers nor on how the ranks were
+    # started: one reference serves all).
     cache = os.path.join(shm_dir, "c")
     whole = str(tmp_path / "whole")
-    _fit(whole, cache, "--every", "3", "--epochs", "3")  # checkpoints at steps 3, 6, ... 18 (6 steps per epoch)
+    _fit((whole, cache, "--strategy", "ddp_spawn", "--workers", "1", "--every", "3", "--epochs", "3"))
     records = _records(whole)
-    _covered_once(records, whole, 3)  # the uninterrupted ddp job itself: each epoch once across the ranks
+    _covered_once(records, whole, 3)  # each epoch once across the ranks, each in its own order
     reference = {(r["rank"], r["epoch"], r["batch"]): r["indices"] for r in records}
     assert len(reference) == 2 * 18
-    # (the loader's order does not depend on its workers: one reference serves both)
-    for step, workers in ((6, 0), (6, 2), (15, 0)):  # epoch 0's last step, with and without workers; mid epoch 2
-        resumed = str(tmp_path / f"from{step}-{workers}")
-        _fit(resumed, cache, "--epochs", "3", "--workers", str(workers),
-             "--resume", os.path.join(whole, "ckpt", f"step={step}.ckpt"))
-        after = _records(resumed)
+    # Epoch 0's last step, with and without workers, and mid epoch 2: three jobs, one after the other in one new
+    # process (the first resumes in a process that never ran the job; each job has its own Trainer and dataset).
+    resumes = {(step, workers): str(tmp_path / f"from{step}-{workers}") for step, workers in ((6, 0), (6, 2), (15, 0))}
+    _fit(*((out, cache, "--epochs", "3", "--workers", str(workers), "--resume",
+            os.path.join(whole, "ckpt", f"step={step}.ckpt")) for (step, workers), out in resumes.items()))
+    for (step, workers), out in resumes.items():
+        after = _records(out)
         assert [r["step"] for r in after if r["rank"] == 0] == list(range(step, 18)), f"resumed from step {step}"
         for record in after:
             key = (record["rank"], record["epoch"], record["batch"])
@@ -97,11 +98,11 @@ def test_a_restart_from_an_end_of_epoch_checkpoint_reads_the_same_epochs(shm_dir
     cache = os.path.join(shm_dir, "c")
     whole = str(tmp_path / "whole")
     one = ("--devices", "1", "--strategy", "auto", "--epochs", "3")  # unseeded: each run's global generator differs
-    _fit(whole, cache, *one, "--epoch-end")
+    _fit((whole, cache, *one, "--epoch-end"))
     reference = [[r["indices"] for r in _records(whole, 1) if r["epoch"] == epoch] for epoch in range(3)]
     assert len({str(epoch) for epoch in reference}) == 3
     resumed = str(tmp_path / "resumed")
-    _fit(resumed, cache, *one, "--resume", os.path.join(whole, "ckpt", "epoch=0.ckpt"))
+    _fit((resumed, cache, *one, "--resume", os.path.join(whole, "ckpt", "epoch=0.ckpt")))
     after = _records(resumed, 1)
     assert [[r["indices"] for r in after if r["epoch"] == epoch] for epoch in (1, 2)] == reference[1:]
 

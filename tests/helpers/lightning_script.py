@@ -5,12 +5,14 @@ Run as a script, with ``tests`` on ``PYTHONPATH`` (Lightning's ``ddp`` starts ra
 again)::
 
     python lightning_script.py OUT CACHE --strategy ddp --epochs 2 [--every 3] [--epoch-end] [--resume CKPT]
-        [--workers N] [--devices 1 --strategy auto] [--seed S]
+        [--workers N] [--devices 1 --strategy auto] [--seed S] [--next OUT2 CACHE2 ...]
 
 Each rank appends ``{"rank", "epoch", "batch", "step", "indices"}`` per training batch to ``OUT/rank<R>.jsonl``;
 with ``--every K`` a checkpoint is saved every K steps as ``OUT/ckpt/step=<S>.ckpt``, with ``--epoch-end`` at each
 epoch's end as ``OUT/ckpt/epoch=<E>.ckpt``; ``--resume`` continues from one; ``--seed`` calls ``seed_everything``.
-The source logs every sample it computes to ``OUT/calls`` (``helpers.sources.Counting``).
+The source logs every sample it computes to ``OUT/calls`` (``helpers.sources.Counting``). Each ``--next`` starts
+another job's arguments: the jobs run one after the other in this process (each a new ``Trainer``, model and
+dataset; ``ddp``'s rank 1 runs them too), so that several resumed jobs pay for one Lightning start-up, not one each.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import lightning as L  # noqa: N812 - the name Lightning's own documentation uses
 import torch
@@ -55,7 +58,7 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("cache")
@@ -68,7 +71,7 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--seed", type=int)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.seed is not None:
         L.seed_everything(args.seed)
     callbacks = []
@@ -86,4 +89,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    jobs: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "--next":
+            jobs.append([])
+        else:
+            jobs[-1].append(arg)
+    for job in jobs:
+        main(job)
