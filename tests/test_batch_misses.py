@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from mmapcache import MmapCachedDataset
 from mmapcache.errors import LayoutError
+from mmapcache.format.batch import stack_runs
 
 N = 50
 
@@ -84,6 +85,40 @@ def test_cold_batches_are_the_sources_bytes_in_its_order(cache_path: str, partia
             assert _equal(got["image"], want["image"]) and np.array_equal(got["mask"], want["mask"]), i
             assert got["weight"] == want["weight"] and got["label"] == want["label"], i
             assert got["score"] == want["score"] and got["flag"] is want["flag"], i
+
+
+def test_batches_with_rows_stored_between_their_misses_are_the_sources(cache_path: str) -> None:
+    # A batch whose misses come in runs between rows stored before (a cache's probes, ds[i], another process): each
+    # run of misses is stacked straight into its slice of the batch (format.batch.stack_runs).
+    source = Mixed()
+    with MmapCachedDataset(cache_path, source) as ds:
+        for i in [*range(0, N, 5), N - 1]:
+            ds[i]
+        expected, got = _epoch(source, 2, batch_size=16), _epoch(ds, 2, batch_size=16)
+        assert len(got) == len(expected) and all(_equal(a, b) for a, b in zip(expected, got))
+        assert ds.num_cached == N
+    with MmapCachedDataset(cache_path) as reader:
+        for i in range(N):
+            got_i, want = reader[i], source[i]
+            assert _equal(got_i["image"], want["image"]) and np.array_equal(got_i["mask"], want["mask"]), i
+            assert _equal(got_i["x"], want["x"]) and got_i["label"] == want["label"], i
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_stack_runs_agrees_with_an_indexed_assignment(kind: str) -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        size = int(rng.integers(1, 40))
+        positions = np.sort(rng.choice(size, int(rng.integers(1, size + 1)), replace=False)).astype(np.int64)
+        values = [rng.integers(0, 255, (3, 2), dtype=np.uint8) for _ in positions]
+        expected = np.zeros((size, 3, 2), np.uint8)
+        expected[positions] = np.stack(values)
+        out = np.zeros((size, 3, 2), np.uint8)
+        if kind == "torch":
+            stack_runs(torch.stack, [torch.from_numpy(v) for v in values], torch.from_numpy(out), positions)
+        else:
+            stack_runs(np.stack, values, out, positions)
+        assert np.array_equal(out, expected), positions
 
 
 def test_a_second_warm_epoch_calls_the_source_no_more(cache_path: str) -> None:

@@ -85,10 +85,11 @@ def test_a_step_checkpoint_resumes_exactly_mid_epoch_and_on_an_epochs_last_step(
             os.path.join(whole, "ckpt", f"step={step}.ckpt")) for (step, workers), out in resumes.items()))
     for (step, workers), out in resumes.items():
         after = _records(out)
-        assert [r["step"] for r in after if r["rank"] == 0] == list(range(step, 18)), f"resumed from step {step}"
+        where = f"resumed from step {step} with {workers} workers"
+        assert [r["step"] for r in after if r["rank"] == 0] == list(range(step, 18)), where
         for record in after:
             key = (record["rank"], record["epoch"], record["batch"])
-            assert record["indices"] == reference[key], f"resumed from step {step}: batch {key} differs"
+            assert record["indices"] == reference[key], f"{where}: batch {key} differs"
 
 
 def test_a_restart_from_an_end_of_epoch_checkpoint_reads_the_same_epochs(shm_dir: str, tmp_path: Any) -> None:
