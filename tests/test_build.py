@@ -244,6 +244,12 @@ def test_follow_refills_rows_marked_stale_elsewhere_then_exits_on_sigterm(cache_
     assert "filled 2," in stdout.strip().splitlines()[-1] and "(interrupted)" in stdout
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """A command started from a shell's background job (``pytest &``, a CI runner's) inherits SIGINT ignored, and so
+    would ignore the Ctrl-C sent to it: it gets the default disposition a foreground command has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("n", [400, 3000])  # chunks of 1 row, and of 11 (the probes share chunks with rows to fill)
 def test_a_creating_build_interrupted_early_counts_what_it_stored(cache_path: str, tmp_path, n: int) -> None:
     # The samples the creation stored (the first and the layout probes) were taken off `skipped` even when the
@@ -252,7 +258,8 @@ def test_a_creating_build_interrupted_early_counts_what_it_stored(cache_path: st
     log = tmp_path / "calls"
     proc = subprocess.Popen([sys.executable, "-m", "mmapcache", "build", cache_path, "--dataset", f"{SPEC}:images",
                              "--kwargs", f'{{"n": {n}, "delay": 0.05, "log": "{log}"}}', "--workers", "1"],
-                            env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 60
         while (not log.exists() or len(log.read_text().split()) < 12) and time.monotonic() < deadline:
