@@ -45,7 +45,7 @@ from .options import CreateOptions
 
 __all__ = ["open_cache", "identity"]
 
-_ATTEMPTS = 3  # a delete_on_close cache removed by its last user while we open it: create it anew, a few times
+_ATTEMPTS = 3  # a delete_on_close cache removed by its last user while we open it: opened anew, under the lock
 
 
 def identity(store: Store) -> dict[str, Any]:
@@ -80,8 +80,10 @@ def open_cache(request: Request, source: Source | None, *,
     """
     for attempt in range(_ATTEMPTS):
         try:
+            # After a lost race (the last user removed the cache between our opening and attaching), the next try
+            # opens under the parent directory's lock, which removers hold: it cannot lose again.
             store, created = _open_or_create(request, None if expected is not None and os.path.exists(request.path)
-                                             else source)
+                                             else source, locked=attempt > 0)
             try:
                 if expected is not None and identity(store) != expected:
                     raise CacheMismatchError(_replaced_message(request.path, expected, identity(store)))
@@ -96,9 +98,11 @@ def open_cache(request: Request, source: Source | None, *,
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def _open_or_create(request: Request, source: Source | None) -> tuple[Store, bool]:
+def _open_or_create(request: Request, source: Source | None, locked: bool = False) -> tuple[Store, bool]:
+    """The cache at ``request.path`` opened, or created from ``source``; with ``locked``, an existing one is opened
+    and attached under the parent directory's lock too (not only a creation)."""
     path = request.path
-    if source is None or os.path.exists(path):
+    if source is None or (os.path.exists(path) and not locked):
         store = Store(path)
         if source is None:
             return store, False
