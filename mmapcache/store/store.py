@@ -248,6 +248,12 @@ class Store:
                 raise CacheNotFoundError(_removed_message(self.path)) from None
             raise CacheFormatError(f"{users} is missing; the cache is damaged: remove it (`mmapcache rm --force "
                                    f"{self.path}`) and build it again") from None
+        except CacheFormatError:
+            # Opened just before a remover renamed the cache away and unlinked its files: ``users`` then has no
+            # link left, which on a cache in place would be damage.
+            if self.moved():
+                raise CacheNotFoundError(_removed_message(self.path)) from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             held = os.fstat(fd)
