@@ -294,6 +294,24 @@ def test_a_sample_that_kills_its_worker_is_named_and_skipped(cache_path: str, ca
         assert all(sample_equal(ds[i], ImageLabels(n)[i]) for i in range(0, n, 97) if i != killer)
 
 
+def test_samples_that_kill_workers_in_a_row_are_each_named_and_no_other(cache_path: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # A dead worker's last result can die with it (queued, not yet written to the pipe), and the sample it stood
+    # for, stored, was then named as the killer too: "failed: 2 samples (1233, 1234)" for one killer, in about one
+    # full run in four. The killer is the row after the last one the worker stored.
+    n, killers = 600, [100, 101, 350, 598]  # two in a row, one alone, the last sample a worker computes (the
+    # creation computes 0 and its probes, 599 among them, in this process)
+    code = main(["build", cache_path, "--dataset", f"{SPEC}:Crashing", "--kwargs",
+                 f'{{"n": {n}, "crash_at": {killers}, "how": "exit"}}', "--workers", "2", "--fingerprint", "c"])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert f"failed: {len(killers)} samples ({', '.join(map(str, killers))})" in err, err
+    assert f"filled {n - len(killers)}," in out.strip().splitlines()[-1], out
+    with MmapCachedDataset(cache_path) as ds:
+        assert [i for i in range(n) if not ds.is_cached(i)] == killers
+        assert all(sample_equal(ds[i], ImageLabels(n)[i]) for i in range(0, n, 7) if i not in killers)
+
+
 def test_rm_refuses_a_running_build_and_force_stops_it_with_one_line(cache_path: str) -> None:
     """A build is a registered user: a plain rm refuses it; rm --force makes the build stop with one line saying
     the cache was removed, not with a failure per remaining sample blaming the source."""

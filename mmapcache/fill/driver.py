@@ -256,23 +256,41 @@ class Driver:
 
     def _isolate(self, tasks: list[Task]) -> None:
         """Redoes ``tasks`` (chunks a dead worker may have held) one row at a time in one fresh worker: when it
-        dies, the first row it did not report killed it. That sample is listed as failed and skipped."""
-        state = self.store.state
+        dies, the row after the last one it stored killed it. That sample is listed as failed and skipped.
+
+        Not simply the first row it did not report: a result the worker had queued just before it died can die
+        with it (its queue's feeder thread had not written it yet), and the row it stands for was stored.
+        """
         rows: list[Task] = []
         for chunk, _ in tasks:
             targets = chunk_targets(self.rowmap, self.plan, chunk)
-            todo = targets[~state.filled_rows(targets, self.rowmap.keys_of(targets)) | state.stale_rows(targets)]
-            rows += [(chunk, int(r)) for r in todo if int(r) not in self.failed_rows]
+            rows += [(chunk, int(r)) for r in self._todo(targets) if int(r) not in self.failed_rows]
         while rows:
+            before = self._todo(np.array([r for _, r in rows], np.int64))
             reported, died = self._pass(rows, True, 1, [])
             if not died or self._stop():
                 return
-            killer = rows[reported][1]
+            pending = rows[reported:]
+            targets = np.array([r for _, r in pending], np.int64)
+            stored = np.isin(targets, before) & ~np.isin(targets, self._todo(targets))
+            # The worker takes its rows in order: it died on the one after the last it stored. Rows before that one
+            # it left unstored (a source error whose report died with it) are tried again.
+            at = int(np.flatnonzero(stored)[-1]) + 1 if stored.any() else 0
+            self.report.filled += int(stored.sum())
+            self.report.bytes += int(stored.sum()) * self.row_bytes
+            if at == len(pending):
+                return
+            killer = pending[at][1]
             index, variant = (int(x[0]) for x in self.rowmap.index_and_variant(np.array([killer])))
             self.report.failed.append(Failure(index, variant, "its build worker died computing it (a crash in "
                                               "native code, os._exit, or the OOM killer); skipped"))
             self.failed_rows.add(killer)
-            rows = rows[reported + 1:]
+            rows = [task for task, done in zip(pending[:at], stored[:at]) if not done] + pending[at + 1:]
+
+    def _todo(self, targets: np.ndarray) -> np.ndarray:
+        """The rows of ``targets`` still to store: not filled with their sample, or stale."""
+        state = self.store.state
+        return targets[~state.filled_rows(targets, self.rowmap.keys_of(targets)) | state.stale_rows(targets)]
 
     def _account(self, result: dict[str, Any]) -> None:
         report = self.report

@@ -107,17 +107,18 @@ def noisy(n: int = 16) -> Dataset:
 
 
 class Crashing(Dataset):
-    """``ImageLabels`` whose sample ``crash_at`` kills the process computing it: ``how="kill"`` (SIGKILL, like the
-    OOM killer) or ``"exit"`` (``os._exit(3)``, like a crash in native code)."""
+    """``ImageLabels`` whose sample ``crash_at`` (or each of a list) kills the process computing it: ``how="kill"``
+    (SIGKILL, like the OOM killer) or ``"exit"`` (``os._exit(3)``, like a crash in native code)."""
 
-    def __init__(self, n: int = 32, crash_at: int = 10, how: str = "kill") -> None:
-        self.inner, self.crash_at, self.how = ImageLabels(n), crash_at, how
+    def __init__(self, n: int = 32, crash_at: int | list[int] = 10, how: str = "kill") -> None:
+        self.inner, self.how = ImageLabels(n), how
+        self.crash_at = {crash_at} if isinstance(crash_at, int) else set(crash_at)
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __getitem__(self, index: int) -> Any:
-        if index == self.crash_at:
+        if index in self.crash_at:
             if self.how == "exit":
                 os._exit(3)
             os.kill(os.getpid(), signal.SIGKILL)
