@@ -197,9 +197,12 @@ class Driver:
             tasks = tasks[reported + len(in_flight):]
         return busy
 
-    def _todo_mask(self) -> np.ndarray:
+    def _todo_mask(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """Over ``rows`` (default: every row of the build), whether each is still to store: not filled with its
+        sample, or stale."""
+        rows = self.rows if rows is None else rows
         state = self.store.state
-        return ~state.filled_rows(self.rows, self.rowmap.keys_of(self.rows)) | state.stale_rows(self.rows)
+        return ~state.filled_rows(rows, self.rowmap.keys_of(rows)) | state.stale_rows(rows)
 
     def _count_lost_results(self, tasks: list[Task], todo_before: np.ndarray) -> None:
         """Counts the rows of tasks whose results died with their loader: stored since ``todo_before`` (filled by
@@ -288,9 +291,8 @@ class Driver:
             rows = [task for task, done in zip(pending[:at], stored[:at]) if not done] + pending[at + 1:]
 
     def _todo(self, targets: np.ndarray) -> np.ndarray:
-        """The rows of ``targets`` still to store: not filled with their sample, or stale."""
-        state = self.store.state
-        return targets[~state.filled_rows(targets, self.rowmap.keys_of(targets)) | state.stale_rows(targets)]
+        """The rows of ``targets`` still to store."""
+        return targets[self._todo_mask(targets)]
 
     def _account(self, result: dict[str, Any]) -> None:
         report = self.report
