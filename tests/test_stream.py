@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from helpers.processes import join_all, running
-from helpers.stream_sources import Fresh, Growing, intact
+from helpers.stream_sources import Fresh, Growing, Refills, intact
 from mmapcache import (
     CacheInUseError,
     CacheMismatchError,
@@ -32,6 +32,7 @@ from mmapcache import (
     StreamTimeoutError,
     describe,
 )
+from mmapcache.fill.producer import _next_run
 from mmapcache.store.ring import epoch_order
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -244,6 +245,31 @@ def test_waiting_readers_take_every_value_from_producers(cache_path: str) -> Non
         assert indices == epoch_order(3, 0, N).tolist() and len(set(tokens)) == N
         stats = ds.stream_stats
         assert stats["computed"] == 0 and stats["served"] == N and stats["waited"] > 0
+
+
+def test_a_producer_claims_runs_of_a_cheap_source_and_single_positions_of_a_dear_one() -> None:
+    # As many positions as take about 2 ms to compute, at most 64 and a sixteenth of the ring.
+    assert _next_run(4096, 5e-6) == 64 and _next_run(4096, 0.0005) == 4 and _next_run(4096, 0.01) == 1
+    assert _next_run(48, 1e-6) == 3 and _next_run(8, 1e-6) == 1
+
+
+def test_producer_runs_store_each_sample_its_own_value_and_a_failing_sample_costs_only_itself(
+        cache_path: str) -> None:
+    # A cheap source refilling one buffer: a run's samples, computed before they are published, are all views of
+    # it. Two failing samples in a row, and two apart, past the 9 positions the creator stores.
+    failing = {int(epoch_order(5, 0, N)[k]) for k in (20, 21, 60, 150)}
+    with MmapCachedDataset(cache_path, Refills(N, failing, os.getpid()), stream=True, max_bytes=RING_BYTES, seed=5,
+                           on_miss="wait", wait_timeout=60) as ds, ds.produce(workers=1):
+        loader = ds.loader(batch_size=16)
+        for epoch in range(2):
+            indices = []
+            for batch in loader:
+                assert (batch["x"] == batch["i"][:, None]).all(), "a sample stored another's value"
+                indices += batch["i"].tolist()
+            assert indices == epoch_order(5, epoch, N).tolist()
+        stats = ds.stream_stats
+    # The producer gave up each failing position alone, the waiting reader computed it, and nothing else.
+    assert stats["computed"] == 2 * len(failing) and stats["served"] == 2 * N - 2 * len(failing)
 
 
 def test_waiting_for_a_dead_producer_times_out_naming_it(cache_path: str) -> None:

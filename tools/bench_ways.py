@@ -6,7 +6,7 @@ tensor (``torch.from_numpy(row.copy())``, a few microseconds a sample, as a chea
 in turn (A B C ... A B C ..., best round each), each on a new cache: the bare source in a loop; ``ds.loader``'s
 first epoch (batched misses); ``ds.fill()``; ``ds[i]`` for every ``i``; ``mmapcache.build`` with 1 and 2 workers,
 their marginal cost per sample (``BuildReport.steady``: the rows stored from the first chunk's result to the last,
-over that time: no start-up). And ``prefill()`` of 1M rows
+over that time: no start-up); one stream producer filling an empty ring the size of the source. And ``prefill()`` of 1M rows
 of 64 bytes against a cold ``ds.loader`` epoch over the same rows (100,000 with ``--quick``).
 
 Run on request (``--only waysin``): its builds start worker processes, a minute of both cores even with ``--quick``.
@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 import mmapcache
 from mmapcache import MmapCachedDataset
+from mmapcache.fill.producer import SourceFactory, produce
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 
@@ -86,6 +87,7 @@ def _ways(cfg: Config, results: Results, tmp: str, name: str, row_bytes: int, n:
         return Timed(rows, seconds)
 
     sides = [Side("source", bare, n), Side("loader", lambda: timed(loader), autorange=False),
+             Side("produce", lambda: _produced(tmp, source), autorange=False),
              Side("fill", lambda: timed(lambda ds: ds.fill()), autorange=False),
              Side("getitem", lambda: timed(getitem), autorange=False),
              Side("build1", lambda: build(1), autorange=False), Side("build2", lambda: build(2), autorange=False)]
@@ -95,7 +97,7 @@ def _ways(cfg: Config, results: Results, tmp: str, name: str, row_bytes: int, n:
             f"{cmp.load()[0]:.2f}-{cmp.load()[1]:.2f}")
     texts = {"loader": "ds.loader's first epoch (batched misses)", "fill": "ds.fill()",
              "getitem": "ds[i] on a new cache", "build1": "build(workers=1), marginal",
-             "build2": "build(workers=2), marginal"}
+             "build2": "build(workers=2), marginal", "produce": "a stream producer filling an empty ring"}
     for side, text in texts.items():
         results.row("waysin", f"{name}: {text}, x the bare source / x the loader", per[side] / per["source"], "x",
                     f"{per[side]:.2f} us a sample, {per[side] / per['loader']:.2f}x the loader; {note}", cmp.load())
@@ -117,6 +119,31 @@ def _on_a_new_cache(tmp: str, source: Rows, work: Any) -> Timed:
     ds.close()
     shutil.rmtree(ds.path)
     return Timed(len(source), seconds)
+
+
+class _RingFull:
+    """A producer's ``stop``: set once the ring's next position to claim is past its last row."""
+
+    def __init__(self, ds: MmapCachedDataset) -> None:
+        self.ds, self.slots = ds, ds.stream_stats["slots"]
+
+    def is_set(self) -> bool:
+        return bool(self.ds.stream_stats["next"] >= self.slots)
+
+
+def _produced(tmp: str, source: Rows) -> Timed:
+    """One stream producer (``fill.producer.produce``, in this process) filling the empty ring of a new stream that
+    holds about the whole source, timed from its first claim to its last publication."""
+    ds = MmapCachedDataset(os.path.join(tmp, uuid.uuid4().hex[:8]), source, stream=True, seed=0,
+                           max_bytes=len(source) * (source.data.shape[1] + 64))
+    full = _RingFull(ds)
+    start, first = time.perf_counter(), ds.stream_stats["next"]
+    produce(ds.path, SourceFactory(source), full)
+    seconds = time.perf_counter() - start
+    positions = ds.stream_stats["next"] - first
+    ds.close()
+    shutil.rmtree(ds.path)
+    return Timed(positions, seconds)
 
 
 def _prefill(cfg: Config, results: Results, tmp: str) -> None:

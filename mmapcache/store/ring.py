@@ -83,10 +83,14 @@ class Ring:
             cached = self._order = (epoch, epoch_order(self.seed, epoch, self.size))
         return cached[1]
 
-    def index_of(self, q: int) -> int:
-        """The source index at sequence number ``q``."""
-        epoch, j = divmod(q, self.length)
-        return int(self.order(epoch)[int(self.split.position(np.array([j], np.int64))[0])])
+    def indices_of(self, qs: list[int]) -> list[int]:
+        """The source indices at sequence numbers ``qs`` (of any epochs)."""
+        epochs, js = np.divmod(np.asarray(qs, np.int64), self.length)
+        indices = np.empty(len(js), np.int64)
+        for epoch in range(int(epochs.min()), int(epochs.max()) + 1):  # (np.unique's first call imports numpy.ma)
+            at = epochs == epoch
+            indices[at] = self.order(epoch)[self.split.position(js[at])]
+        return indices.tolist()
 
     def sequence(self, epoch: int, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The source indices of sequence positions ``js`` (int64) of ``epoch``, and their sequence numbers (-1 for
@@ -205,21 +209,25 @@ class Ring:
 
     # --- producers (each holds a claim on the row it computes) ---------------------------------------------------
 
-    def claim(self) -> int | None:
-        """The next sequence number to produce, claimed (its row's byte locked) under the writer lock; None when
-        the ring is full (``S`` positions ahead of the slowest consumer) and no claim was lost by a dead producer.
-        """
-        return self.state.under_lock(self._claim_locked)
+    def claim(self, limit: int = 1) -> list[int]:
+        """The next sequence numbers to produce, at most ``limit`` in a row, each claimed (its row's byte locked)
+        under one acquisition of the writer lock; or one position a dead producer claimed and lost. Empty when the
+        ring is full (``S`` positions ahead of the slowest consumer) and no claim was lost."""
+        return self.state.under_lock(lambda: self._claim_locked(limit))
 
-    def _claim_locked(self) -> int | None:
+    def _claim_locked(self, limit: int) -> list[int]:
         if not self.length:  # a node of a job with more ranks than samples: it holds nothing
-            return None
+            return []
         low = self.low()
-        q = max(int(self.words[NEXT]), low)
-        if q < low + self.slots and self.claims.try_claim(q % self.slots):
-            self.words[NEXT] = q + 1
-            return q
-        return self._reclaim_locked(low, q)
+        first = q = max(int(self.words[NEXT]), low)
+        end = min(low + self.slots, q + limit)
+        while q < end and self.claims.try_claim(q % self.slots):
+            q += 1
+        if q > first:
+            self.words[NEXT] = q
+            return list(range(first, q))
+        lost = self._reclaim_locked(low, first)
+        return [] if lost is None else [lost]
 
     def _reclaim_locked(self, low: int, end: int) -> int | None:
         """A position in ``[low, end)`` claimed by a producer that died before publishing it, now claimed by us."""
@@ -246,16 +254,23 @@ class Ring:
             return True
         return bool(self.state.under_lock(check))
 
-    def publish(self, q: int, write: Any) -> bool:
-        """Stores the value of ``q`` (``write(owned)`` writes the row), unless every consumer has passed it, and
-        releases the claim. Returns whether it was stored."""
-        row = q % self.slots
+    def publish(self, items: list[tuple[int, Any]]) -> tuple[int, int]:
+        """Stores the values of claimed positions ``items`` (``(q, write)``: ``write(owned)`` writes ``q``'s row)
+        under one acquisition of the writer lock, skipping those every consumer has passed, and releases their
+        claims. Returns how many it stored, and how many it left for want of heap room (``NoRoom``)."""
+        slots = self.slots
+        no_room: list[int] = []
+
+        def unpassed(publications: list[Any]) -> list[Any]:
+            low = self.low()
+            return [publication for publication in publications if publication[1] >= low]
         try:
-            stored = self.state.publish(row, q, write, wanted=lambda: q >= self.low())
-            self.count(produced=int(stored), skipped=int(not stored))
-            return stored
+            stored = self.state.publish_many([(q % slots, q, write) for q, write in items], no_room, keep=unpassed)
+            self.count(produced=stored, skipped=len(items) - stored - len(no_room))
+            return stored, len(no_room)
         finally:
-            self.claims.release(row)
+            for q, _ in items:
+                self.claims.release(q % slots)
 
     def publish_created(self, q: int, write: Any) -> None:
         """Stores position ``q < S`` of epoch 0 in row ``q``: the samples the stream's creator computed to learn the

@@ -33,6 +33,7 @@ from .files import open_file
 from .lock import WriterLock
 
 T = TypeVar("T")
+Publication = tuple[int, int, Callable[[bool], None]]  # (row, key, write(owned)): one row for publish_many
 
 
 class NoRoom(Exception):
@@ -198,14 +199,17 @@ class SlotState:
             finally:
                 self._end_change_locked()
 
-    def publish_many(self, items: list[tuple[int, int, Callable[[bool], None]]],
-                     no_room: list[int] | None = None) -> int:
+    def publish_many(self, items: list[Publication], no_room: list[int] | None = None,
+                     keep: Callable[[list[Publication]], list[Publication]] | None = None) -> int:
         """``publish`` for several ``(row, key, write)`` under one acquisition of the lock (a batch's misses);
-        rows without heap room (``NoRoom``) are skipped (and added to ``no_room``). Returns how many this call
-        stored. Safe across processes and threads."""
+        rows without heap room (``NoRoom``) are skipped (and added to ``no_room``). ``keep``, if given, is asked
+        under the lock first and returns the items still to publish (a stream's positions its readers have not
+        passed). Returns how many this call stored. Safe across processes and threads."""
         self._require_writable()
         stored = 0
         with self.lock:
+            if keep is not None:
+                items = keep(items)
             self._begin_change_locked()
             try:
                 for row, key, write in items:

@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -46,6 +47,25 @@ class Growing(Fresh):
 
 def fresh(n: int = 200, delay: float = 0.0) -> Dataset:
     return Fresh(n, delay)
+
+
+class Refills(Dataset):
+    """A cheap source that writes every sample into one buffer and returns a view of it (as some decoders do): a
+    producer computes runs of many positions before it publishes them. Samples ``failing`` raise in every process
+    but ``creator`` (the producers fail them; the reader that then computes them does not)."""
+
+    def __init__(self, n: int, failing: set[int], creator: int) -> None:
+        self.n, self.failing, self.creator = n, failing, creator
+        self.buf = np.zeros(16, np.int64)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        if index in self.failing and os.getpid() != self.creator:
+            raise ValueError(f"sample {index} cannot be read in this process")
+        self.buf[:] = index
+        return {"x": self.buf, "i": index}
 
 
 def intact(batch: dict[str, Any]) -> bool:
