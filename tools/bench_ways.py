@@ -6,8 +6,8 @@ tensor (``torch.from_numpy(row.copy())``, a few microseconds a sample, as a chea
 in turn (A B C ... A B C ..., best round each), each on a new cache: the bare source in a loop; ``ds.loader``'s
 first epoch (batched misses); ``ds.fill()``; ``ds[i]`` for every ``i``; ``mmapcache.build`` with 1 and 2 workers,
 their marginal cost per sample (``BuildReport.steady``: the rows stored from the first chunk's result to the last,
-over that time: no start-up); one stream producer filling an empty ring the size of the source. And ``prefill()`` of 1M rows
-of 64 bytes against a cold ``ds.loader`` epoch over the same rows (100,000 with ``--quick``).
+over that time: no start-up); one stream producer filling an empty ring the size of the source. And ``prefill()``
+of 1M rows of 64 bytes against a cold ``ds.loader`` epoch over the same rows (100,000 with ``--quick``).
 
 Run on request (``--only waysin``): its builds start worker processes, a minute of both cores even with ``--quick``.
 """
