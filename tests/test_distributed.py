@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers.processes import join_all, running
+from helpers.processes import another_process, join_all, running
 from helpers.sources import Counting, ImageLabels
 from helpers.torchrun import TESTS, TIMEOUT, finish, results, torchrun, two_nodes
 from mmapcache import MmapCachedDataset
@@ -90,7 +90,7 @@ def _prefill_rank(path: str, log: str, rank: int, world: int, barrier: multiproc
 def test_prefill_without_process_group_waits_on_the_cache(cache_path: str, tmp_path) -> None:
     log = str(tmp_path / "calls")
     MmapCachedDataset(cache_path, ImageLabels(N), ragged=None).close()  # created (sample 0 stored) before the ranks
-    ctx = multiprocessing.get_context("spawn")
+    ctx = another_process()
     barrier = ctx.Barrier(2)
     procs = [ctx.Process(target=_prefill_rank, args=(cache_path, log, r, 2, barrier)) for r in range(2)]
     with running(procs):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from torch.utils.data import DataLoader
 
-from helpers.processes import join_all, running
+from helpers.processes import another_process, join_all, running
 from helpers.sources import ImageLabels, sample_equal
 from mmapcache import CacheInUseError, CacheNotFoundError, MmapCachedDataset, remove
 from mmapcache.store import admin as _admin
@@ -269,7 +269,7 @@ def test_openers_racing_the_last_closer(cache_path: str, openers: int, attempts:
     # way, and could lose again: under load, one in a few full runs lost three times in a row and raised
     # CacheNotFoundError with a source in hand. Its next try now opens under the lock removers hold: with two tries
     # allowed ((3, 2)), three churning openers never fail.
-    ctx = multiprocessing.get_context("spawn")
+    ctx = another_process()
     barrier = ctx.Barrier(openers)
     deadline = time.monotonic() + 15  # bounds the loop on a loaded machine; the start barrier makes them overlap
     procs = [ctx.Process(target=_churn, args=(cache_path, barrier, 60, deadline, attempts)) for _ in range(openers)]

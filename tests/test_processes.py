@@ -24,7 +24,7 @@ from helpers.core_workers import (
     read_all_by_path,
     slow_filler,
 )
-from helpers.processes import collect, join_all, kill_alive, running
+from helpers.processes import another_process, collect, join_all, kill_alive, running
 from helpers.sources import ImageLabels, sample_equal
 from mmapcache import MmapCachedDataset, SampleNotCachedError
 
@@ -139,7 +139,7 @@ def test_concurrent_fillers_store_every_sample_intact(cache_path: str) -> None:
 def test_writer_killed_between_samples_leaves_a_consistent_cache(cache_path: str) -> None:
     n = 200  # at 0.1 s a sample the filler cannot finish before it is killed
     source = ImageLabels(n, shape=(16, 16))
-    ctx = multiprocessing.get_context("spawn")
+    ctx = another_process()
     proc = ctx.Process(target=slow_filler, args=(cache_path, n, 0.1))
     proc.start()
     deadline = time.monotonic() + 60
@@ -166,7 +166,7 @@ def test_writer_killed_mid_write_leaves_the_row_unfilled_and_fixable(cache_path:
     as unfilled, is refused to readers without a source, and is repaired by the next fill."""
     n, mib = 6, 8
     source = Big(n, mib)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = another_process()
     landed = None
     for _attempt in range(5):
         proc = ctx.Process(target=big_filler, args=(cache_path, n, mib))
@@ -209,12 +209,13 @@ def test_writer_killed_mid_write_leaves_the_row_unfilled_and_fixable(cache_path:
 def test_writers_killed_at_random_moments_never_leave_a_wrong_sample(cache_path: str) -> None:
     n, mib = 24, 1
     source = Big(n, mib)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = another_process()
     rng = random.Random(1234)
     for _ in range(4):
         proc = ctx.Process(target=big_filler, args=(cache_path, n, mib))
-        proc.start()
-        time.sleep(rng.uniform(0.5, 2.5))  # spawn + torch import take about a second: kills land mid-fill
+        proc.start()  # returns once the process runs (forked by the server, torch imported)
+        # 1.45, 0.67, 0.03 and 1.37 s: kills land mid-fill (its 24 MiB take about 1.5 s here), and in creation.
+        time.sleep(rng.uniform(0.02, 1.5))
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)
         proc.join(timeout=30)

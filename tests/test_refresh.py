@@ -24,7 +24,7 @@ from helpers.feature_workers import (
     versioned_sample,
     wait_for,
 )
-from helpers.processes import join_all
+from helpers.processes import another_process, join_all
 from helpers.sources import sample_equal
 from mmapcache import MmapCachedDataset, SampleNotCachedError
 
@@ -120,7 +120,7 @@ def test_rewrites_racing_reads_never_show_a_torn_sample(cache_path: str) -> None
     n = 6  # few samples: writers and readers collide on the same rows constantly
     with MmapCachedDataset(cache_path, Versioned(n, SHAPE), stale="serve", deterministic=False) as ds:
         ds.fill()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = another_process()
     barrier = cache_path + ".go"
     results = ctx.Queue()
     procs = [ctx.Process(target=rewrite_loop, args=(cache_path, n, SHAPE, w, barrier, 20_000, 6.0, results))
@@ -163,7 +163,7 @@ def test_writer_killed_mid_rewrite_is_recovered(cache_path: str, tmp_path: Any) 
         ds.fill()
         row = ds._rows.row(2, ds.epoch)
         seq_before = int(ds._store.state.seq_np[row])
-        ctx = multiprocessing.get_context("spawn")
+        ctx = another_process()
         started = str(tmp_path / "started")
         victim = ctx.Process(target=die_mid_write, args=(cache_path, n, shape, 2, started))
         victim.start()

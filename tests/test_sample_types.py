@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from helpers import tvlike
+from helpers.processes import another_process
 from mmapcache import LayoutError, MmapCachedDataset, PadCollate, Padded, UncachedFieldWarning
 from mmapcache.format.layout import MAX_FIELDS
 
@@ -470,7 +470,7 @@ def test_concurrent_ragged_rewrites_never_show_a_torn_value(cache_path: str) -> 
     with MmapCachedDataset(cache_path, RaggedVersioned(n), stale="serve", deterministic=False,
                            ragged=["values"]) as ds:
         ds.fill()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = another_process()
     results = ctx.Queue()
     procs = [ctx.Process(target=ragged_rewrite_loop, args=(cache_path, n, w, 4.0, results)) for w in range(2)]
     procs += [ctx.Process(target=ragged_check_loop, args=(cache_path, n, r, 4.0, results)) for r in range(2)]

@@ -7,6 +7,7 @@ failing) is killed. Works with ``multiprocessing`` processes and ``subprocess.Po
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import queue
 import subprocess
 import time
@@ -14,6 +15,24 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
+
+# What the forkserver of ``another_process`` imports once: what every such process's target needs.
+_PRELOAD = ["numpy", "torch", "mmapcache", "helpers.sources"]
+
+
+def another_process() -> Any:
+    """The ``multiprocessing`` context for processes that stand for another program using the cache (an unrelated
+    script, another job's writer or reader), where the test is not about a start method: ``forkserver``, whose
+    server imports torch, numpy and mmapcache once per test worker. Each process is a fork of that server, a fresh
+    interpreter that never opened a cache, and starts in milliseconds instead of the 3 CPU-seconds an interpreter
+    takes to import torch on the suite's 2-core machine (about half the suite's CPU went to such start-ups).
+
+    Tests of start methods themselves (DataLoader workers, ``spawn``ed readers) name theirs. A process started here
+    has the server's environment, not the test's: give it paths, not ``MMAPCACHE_DIR``.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)  # (no effect once this worker's server runs: it already has them)
+    return context
 
 
 def _alive(proc: Any) -> bool:
