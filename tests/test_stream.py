@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import Dataset
 
 from helpers.processes import join_all, running
 from helpers.stream_sources import Fresh, Growing, Refills, intact
@@ -248,8 +249,9 @@ def test_waiting_readers_take_every_value_from_producers(cache_path: str) -> Non
 
 
 def test_a_producer_claims_runs_of_a_cheap_source_and_single_positions_of_a_dear_one() -> None:
-    # As many positions as take about 2 ms to compute, at most 64 and a sixteenth of the ring.
-    assert _next_run(4096, 5e-6) == 64 and _next_run(4096, 0.0005) == 4 and _next_run(4096, 0.01) == 1
+    # As many positions as take about 2 ms to compute, at most 256 (a loader's batch) and a sixteenth of the ring.
+    assert _next_run(8192, 1e-6) == 256 and _next_run(8192, 5e-6) == 256 and _next_run(4096, 5e-6) == 256
+    assert _next_run(4096, 1e-5) == 200 and _next_run(4096, 0.0005) == 4 and _next_run(4096, 0.01) == 1
     assert _next_run(48, 1e-6) == 3 and _next_run(8, 1e-6) == 1
 
 
@@ -270,6 +272,30 @@ def test_producer_runs_store_each_sample_its_own_value_and_a_failing_sample_cost
         stats = ds.stream_stats
     # The producer gave up each failing position alone, the waiting reader computed it, and nothing else.
     assert stats["computed"] == 2 * len(failing) and stats["served"] == 2 * N - 2 * len(failing)
+
+
+class _NaNAt(Dataset):
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return {"x": torch.full((4,), float("nan") if i == self.bad else float(i)), "i": i}
+
+
+def test_producers_refuse_what_check_finite_refuses(cache_path: str) -> None:
+    # Producers stored a NaN sample that the dataset's own check_finite=True refuses: the trainer was served it.
+    bad = int(epoch_order(2, 0, N)[30])  # past the positions the creator stores
+    with MmapCachedDataset(cache_path, _NaNAt(N, bad), stream=True, max_bytes=RING_BYTES, seed=2, on_miss="wait",
+                           wait_timeout=60, check_finite=True) as ds, ds.produce(workers=1):
+        seen = []
+        with pytest.raises(ValueError, match=rf"sample {bad}, field .*NaN or infinite"):
+            for batch in ds.loader(batch_size=8):
+                assert not torch.isnan(batch["x"]).any(), "a NaN sample was served"
+                seen += batch["i"].tolist()
+        assert seen == epoch_order(2, 0, N)[:24].tolist()  # the batches before the one holding it
 
 
 def test_waiting_for_a_dead_producer_times_out_naming_it(cache_path: str) -> None:

@@ -228,7 +228,7 @@ class Misses:
             # starting with these again.
             self.batched = False
             return missing
-        finite = not self.check_finite or _all_finite(reader.fields, columns, None if whole else todo)
+        finite = not self.check_finite or all_finite(reader.fields, columns, None if whole else todo)
         if outcome == FILLED and finite:
             keep = todo[cacheable[~refilled]]
             computed.extend((k, index, None) for k, index in zip(keep.tolist(), idx[keep].tolist()))
@@ -308,7 +308,7 @@ def _finite(field: Field, value: Any) -> bool:
     return array.dtype.kind not in "fc" or bool(np.isfinite(array).all())
 
 
-def _all_finite(fields: Sequence[Field], columns: list[np.ndarray], positions: np.ndarray | None) -> bool:
+def all_finite(fields: Sequence[Field], columns: list[np.ndarray], positions: np.ndarray | None) -> bool:
     """Whether the batch's columns hold no NaN or infinity at ``positions`` (None: anywhere)."""
     return all(_finite(field, column if positions is None else column[positions])
                for field, column in zip(fields, columns))

@@ -3,10 +3,11 @@
 Each producer process opens the stream, registers itself (a shared ``flock`` on ``producers``, which the kernel
 drops when it dies), makes its own copy of the source, and loops: claim the next sequence numbers (``Ring.claim``:
 a run of them, at most ``S`` ahead of the slowest reader; or one position a dead producer claimed and lost),
-compute their samples, publish them together (``Ring.publish``: those whose reader has already passed them are
-skipped). A run is as long as the producer computes in about ``_RUN_SECONDS``. When the ring is full it polls,
-backing off to ``_IDLE_POLL``. It stops when told (``Producer.stop``, SIGINT/SIGTERM for the
-command line), or when the cache is removed.
+compute their samples (fixed-size fields checked and stacked together, as the loader's batched misses: ``_Runs``),
+publish them together (``Ring.publish``/``publish_rows``: those whose reader has already passed them are skipped).
+A run is as long as the producer computes in about ``_RUN_SECONDS``, its rows claimed with one byte-range lock.
+When the ring is full it polls, backing off to ``_IDLE_POLL``. It stops when told (``Producer.stop``, SIGINT/SIGTERM
+for the command line), or when the cache is removed.
 
 ``ds.produce(workers=N)`` and ``mmapcache build PATH --dataset SPEC --follow --workers N`` both start them; several
 producers (of one or several commands) share the work without computing a position twice.
@@ -25,20 +26,23 @@ from typing import Any
 import numpy as np
 
 from ..errors import CacheFormatError, CacheNotFoundError
+from ..format.batch import FILLED, SHARED, UNWALKED, arrays_of, overlaps
 from ..read.reader import RowReader
 from ..store.ring import Ring, register_producer
 from ..store.store import Store
 from ..store.writer import RowWriter
+from .misses import all_finite, checker
 from .parent import die_with_parent
 
 __all__ = ["Producer", "SourceFactory", "produce"]
 
 _IDLE_POLL = (0.0005, 0.02)  # seconds between claims while the ring is full: from, and at most
 # A producer claims, computes and publishes runs of consecutive positions (one writer-lock acquisition each to claim
-# and to publish a run, instead of three a position), as many as it computes in about 2 ms: a cheap source is not
-# held back by the lock, and a reader never waits much longer for a position than its own computation would take.
+# and to publish a run, instead of three a position), as many as it computes in about 2 ms (at most a loader's
+# batch): a cheap source is not held back by the lock, and a reader never waits much longer for a position than its
+# own computation would take.
 _RUN_SECONDS = 0.002
-_RUN_MAX = 64
+_RUN_MAX = 256
 
 
 class SourceFactory:
@@ -51,15 +55,16 @@ class SourceFactory:
         return self.dataset
 
 
-def produce(path: str, make_source: Callable[[], Any], stop: Any = None) -> dict[str, int]:
+def produce(path: str, make_source: Callable[[], Any], stop: Any = None, check_finite: bool = False) -> dict[str, int]:
     """Runs one producer in this process until ``stop`` (an Event) is set, the cache is removed, or
-    KeyboardInterrupt. Returns what it did: ``{"produced", "skipped", "failed"}``."""
+    KeyboardInterrupt. Returns what it did: ``{"produced", "skipped", "failed"}``. With ``check_finite``, a sample
+    holding NaN or infinities is not stored (its reader computes it, and refuses it there)."""
     store = Store(path)
     store.attach()  # a user of the cache while it runs (`mmapcache rm` refuses, `ls` counts it)
-    reader, writer = RowReader(store, recompute_stale=True), RowWriter(store)
+    reader = RowReader(store, recompute_stale=True)
     ring = Ring(store)
     registration = register_producer(path)
-    source = make_source()
+    runs = _Runs(ring, reader, RowWriter(store), make_source(), check_finite)
     done = {"produced": 0, "skipped": 0, "failed": 0}
     poll, run = _IDLE_POLL[0], 1
     try:
@@ -73,11 +78,11 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None) -> dict
                 continue
             poll = _IDLE_POLL[0]
             started = time.perf_counter()
-            items = _compute(ring, reader, writer, source, qs, done)
+            publish = runs.compute(qs, done)
             run = _next_run(ring.slots, (time.perf_counter() - started) / len(qs))
-            stored, no_room = ring.publish(items)
+            stored, offered, no_room = publish()
             done["produced"] += stored
-            done["skipped"] += len(items) - stored
+            done["skipped"] += offered - stored
             if no_room:
                 # A full heap (max_bytes): the position is abandoned, and its reader computes it (Ring.abandoned).
                 # Until readers pass it, it is the one position to claim again: back off instead of spinning on it.
@@ -95,22 +100,76 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None) -> dict
     return done
 
 
-def _compute(ring: Ring, reader: RowReader, writer: RowWriter, source: Any, qs: list[int],
-             done: dict[str, int]) -> list[tuple[int, Any]]:
-    """The checked values of claimed positions ``qs``, each as ``(q, write)`` for ``Ring.publish``. A position whose
-    sample raised is released unpublished: its reader computes it, and sees the source's exception there."""
-    items = []
-    for q, index in zip(qs, ring.indices_of(qs)):
+Publish = Callable[[], tuple[int, int, int]]  # publishes a computed run: (stored, offered, left for want of room)
+
+
+class _Runs:
+    """Computes a claimed run of positions and returns how to publish it. A run of fixed-size fields is checked
+    together and stacked into columns, then published with vectorised steps, as the loader's batched misses are
+    (``RowReader.fill_batch``); other layouts, and runs the batch check declines, one sample at a time, each value
+    copied (the source may refill one buffer). A sample that raises (or holds NaN with ``check_finite``) is given
+    up alone: its position is released unpublished, and its reader computes it and sees the error there."""
+
+    def __init__(self, ring: Ring, reader: RowReader, writer: RowWriter, source: Any, check_finite: bool) -> None:
+        self.ring, self.reader, self.writer, self.source = ring, reader, writer, source
+        self.check_finite, self.checked = check_finite, checker(check_finite)
+        # Off for good once the source is seen to refill one buffer for every sample (as Misses.batched).
+        self.batched = reader.fill_batch is not None
+
+    def compute(self, qs: list[int], done: dict[str, int]) -> Publish:
+        indices = self.ring.indices_of(qs)
+        samples = None
+        if self.batched and len(qs) > 1:
+            publish, samples = self._together(qs, indices)
+            if publish is not None:
+                return publish
+        return self._each(qs, indices, samples, done)
+
+    def _together(self, qs: list[int], indices: list[int]) -> tuple[Publish | None, list[Any] | None]:
+        """The run checked and stacked at once; or no publication, with the samples if they may be checked one by
+        one (None if they must be computed again: one raised, and a buffer the source refills may hold its bytes)."""
         try:
-            values = reader.check(source[index], index)
+            samples = [self.source[index] for index in indices]
         except Exception:
-            ring.release(q)
-            done["failed"] += 1
-            continue
-        if len(qs) > 1:  # kept until the run is published: not a view of a buffer the source refills
-            values = [v.copy() if type(v) is np.ndarray else v for v in values]
-        items.append((q, functools.partial(writer.write, q % ring.slots, values)))
-    return items
+            return None, None
+        reader = self.reader
+        columns = reader.gather(np.full(len(qs), -1, np.int64))[0]
+        outcome = reader.fill_batch(samples, columns, None)  # type: ignore[misc]  # (batched: not None)
+        if outcome == UNWALKED and overlaps([arrays_of(sample) for sample in samples]):
+            outcome = SHARED
+        if outcome == SHARED:
+            self.batched = False
+            return None, None
+        if outcome != FILLED or (self.check_finite and not all_finite(reader.fields, columns, None)):
+            return None, samples
+        keys = np.array(qs, np.int64)
+        rows, positions = keys % self.ring.slots, np.arange(len(qs))
+
+        def write(todo: np.ndarray) -> None:
+            self.writer.write_rows(rows, columns, positions[todo])
+
+        def publish() -> tuple[int, int, int]:
+            stored, _ = self.ring.publish_rows(keys, write)
+            return stored, len(keys), 0
+        return publish, None
+
+    def _each(self, qs: list[int], indices: list[int], samples: list[Any] | None, done: dict[str, int]) -> Publish:
+        items = []
+        for k, (q, index) in enumerate(zip(qs, indices)):
+            try:
+                values = self.checked(self.reader, self.source[index] if samples is None else samples[k], index)
+            except Exception:
+                self.ring.release(q)
+                done["failed"] += 1
+                continue
+            if len(qs) > 1:  # kept until the run is published: not a view of a buffer the source refills
+                values = [v.copy() if type(v) is np.ndarray else v for v in values]
+            items.append((q, functools.partial(self.writer.write, q % self.ring.slots, values)))
+
+        def publish() -> tuple[int, int, int]:
+            stored, no_room = self.ring.publish(items)
+            return stored, len(items), no_room
+        return publish
 
 
 def _next_run(slots: int, seconds_each: float) -> int:
@@ -120,10 +179,10 @@ def _next_run(slots: int, seconds_each: float) -> int:
     return max(1, min(_RUN_MAX, slots // 16, int(_RUN_SECONDS / max(seconds_each, 1e-9))))
 
 
-def _run(path: str, make_source: Callable[[], Any], stop: Any, parent: int) -> None:
+def _run(path: str, make_source: Callable[[], Any], stop: Any, parent: int, check_finite: bool) -> None:
     die_with_parent(parent)  # a producer whose starter was killed must not produce for nobody, forever
     with contextlib.suppress(KeyboardInterrupt):
-        produce(path, make_source, stop)
+        produce(path, make_source, stop, check_finite)
 
 
 class Producer:
@@ -131,24 +190,27 @@ class Producer:
     ``with`` block; they also stop when the cache is removed. They never outlive this process: daemons stopped when
     it exits, and each watches it and exits when it is killed (``fill.parent``)."""
 
-    def __init__(self, path: str, make_source: Callable[[], Any], workers: int, context: Any) -> None:
-        self.path, self._make_source, self._context = path, make_source, context
+    def __init__(self, path: str, make_source: Callable[[], Any], workers: int, context: Any,
+                 check_finite: bool = False) -> None:
+        self.path, self._make_source, self._context, self._check_finite = path, make_source, context, check_finite
         self._stop = context.Event()
         self.processes = [self._new(k) for k in range(workers)]
 
     def _new(self, k: int) -> Any:
-        process = self._context.Process(target=_run, args=(self.path, self._make_source, self._stop, os.getpid()),
+        process = self._context.Process(target=_run, args=(self.path, self._make_source, self._stop, os.getpid(),
+                                                           self._check_finite),
                                         daemon=True, name=f"mmapcache-producer-{k}")
         process.start()
         return process
 
     @classmethod
-    def start(cls, path: str, make_source: Callable[[], Any], workers: int = 1, context: Any = None) -> Producer:
+    def start(cls, path: str, make_source: Callable[[], Any], workers: int = 1, context: Any = None,
+              check_finite: bool = False) -> Producer:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         if context is None or isinstance(context, str):
             context = multiprocessing.get_context(context or "fork")
-        return cls(path, make_source, workers, context)
+        return cls(path, make_source, workers, context, check_finite)
 
     @property
     def alive(self) -> int:

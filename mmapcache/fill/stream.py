@@ -21,6 +21,7 @@ class StreamControls:
 
     path: str
     dataset: Any
+    check_finite: bool
     _ring: Ring | None
     _streams: StreamReads | None
 
@@ -50,7 +51,7 @@ class StreamControls:
         if self.dataset is None:
             raise SampleNotCachedError(f"produce() needs the source dataset: open the stream at {self.path} with "
                                        "MmapCachedDataset(path, dataset, stream=True)")
-        return Producer.start(self.path, SourceFactory(self.dataset), workers, context)
+        return Producer.start(self.path, SourceFactory(self.dataset), workers, context, self.check_finite)
 
     def _stream_ring(self) -> Ring:
         self._ensure_open()

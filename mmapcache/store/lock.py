@@ -108,19 +108,20 @@ class ChunkClaims:
         self._directory = directory
         self._fd = -1
 
-    def try_claim(self, chunk: int) -> bool:
+    def try_claim(self, chunk: int, count: int = 1) -> bool:
+        """Claims bytes ``chunk`` to ``chunk + count - 1`` at once (all or none); False if any is held elsewhere."""
         if self._fd < 0:
             self._fd = open_file(self._directory, LOCK, os.O_RDWR)
         try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, chunk)
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, count, chunk)
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EAGAIN):
                 return False
             raise
         return True
 
-    def release(self, chunk: int) -> None:
-        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, chunk)
+    def release(self, chunk: int, count: int = 1) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, count, chunk)
 
     def close(self) -> None:
         if self._fd >= 0:

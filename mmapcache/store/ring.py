@@ -220,7 +220,9 @@ class Ring:
             return []
         low = self.low()
         first = q = max(int(self.words[NEXT]), low)
-        end = min(low + self.slots, q + limit)
+        end = min(low + self.slots, q + limit, q + self.slots - q % self.slots)  # (rows q % S on, not wrapping)
+        if end - q > 1 and self.claims.try_claim(q % self.slots, end - q):  # the run's rows in one lock
+            q = end
         while q < end and self.claims.try_claim(q % self.slots):
             q += 1
         if q > first:
@@ -269,8 +271,28 @@ class Ring:
             self.count(produced=stored, skipped=len(items) - stored - len(no_room))
             return stored, len(no_room)
         finally:
-            for q, _ in items:
-                self.claims.release(q % slots)
+            self._release_run([q for q, _ in items])
+
+    def publish_rows(self, qs: np.ndarray, write: Any) -> tuple[int, int]:
+        """``publish`` for a claimed run whose values are a batch's columns (fixed-size fields): ``write(positions)``
+        writes the rows of ``qs[positions]``, all in one vectorised publication (``SlotState.publish_rows``)."""
+        slots = self.slots
+        try:
+            stored = self.state.publish_rows(qs % slots, qs, write, wanted=lambda keys: keys >= self.low())
+            self.count(produced=stored, skipped=len(qs) - stored)
+            return stored, 0
+        finally:
+            self._release_run(qs.tolist())
+
+    def _release_run(self, qs: list[int]) -> None:
+        """Releases the claims of positions ``qs`` (ascending), each stretch of consecutive rows in one call."""
+        slots, k = self.slots, 0
+        while k < len(qs):
+            start = k
+            while k + 1 < len(qs) and qs[k + 1] == qs[k] + 1 and (qs[k] + 1) % slots:
+                k += 1
+            self.claims.release(qs[start] % slots, k - start + 1)
+            k += 1
 
     def publish_created(self, q: int, write: Any) -> None:
         """Stores position ``q < S`` of epoch 0 in row ``q``: the samples the stream's creator computed to learn the

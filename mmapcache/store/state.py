@@ -222,16 +222,20 @@ class SlotState:
                 self._end_change_locked()
         return stored
 
-    def publish_rows(self, rows: np.ndarray, keys: np.ndarray, write: Callable[[np.ndarray], None]) -> int:
+    def publish_rows(self, rows: np.ndarray, keys: np.ndarray, write: Callable[[np.ndarray], None],
+                     wanted: Callable[[np.ndarray], np.ndarray] | None = None) -> int:
         """``publish`` for many distinct rows at once, each step vectorised (a batch's misses): under one lock,
         the rows still to store (not complete, or holding another key) get odd counters, ``write(positions)``
         writes the rows ``rows[positions]`` (fixed-size fields only: nothing can run out of room), then keys,
-        even counters and bits are set for all of them. Returns how many were stored. Safe across processes and
-        threads."""
+        even counters and bits are set for all of them. ``wanted(keys)``, if given, is asked under the lock first:
+        rows where it is False are left alone (a stream's positions its readers have passed). Returns how many
+        were stored. Safe across processes and threads."""
         self._require_writable()
         with self.lock:
             self._begin_change_locked()
             try:
+                candidates = np.arange(len(rows)) if wanted is None else np.flatnonzero(wanted(keys))
+                rows, keys = rows[candidates], keys[candidates]
                 bits = 1 << (rows & 7).astype(np.uint8)
                 byte = rows >> 3
                 seq = self.seq_np[rows]
@@ -241,7 +245,7 @@ class SlotState:
                     return 0
                 rows, seq, bits, byte = rows[todo], seq[todo], bits[todo], byte[todo]
                 self.seq_np[rows] = seq | 1
-                write(todo)
+                write(candidates[todo])
                 self.keys_np[rows] = keys[todo]
                 even = (seq | 1) + np.uint32(1)
                 self.seq_np[rows] = np.where(even == 0, np.uint32(2), even)  # 0 means "never written"
