@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import compileall
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -11,6 +13,16 @@ from typing import Any
 import pytest
 
 SHM = "/dev/shm"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compiles the package, tests, examples and tools to bytecode once, where Python itself would not: under
+    ``PYTHONDONTWRITEBYTECODE`` (set on CI images) each of the 250 or so interpreters the suite starts compiled
+    them from source again, 0.22 CPU-seconds each on the suite's 2-core machine."""
+    if sys.dont_write_bytecode and not hasattr(config, "workerinput"):  # once, in pytest's own process
+        for folder in ("mmapcache", "tests", "examples", "tools"):
+            compileall.compile_dir(os.path.join(ROOT, folder), quiet=2)
 
 
 @pytest.fixture
