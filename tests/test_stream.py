@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from typing import Any
@@ -22,7 +23,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from helpers.processes import join_all, running
+from helpers.processes import join_all, kill_alive, running
 from helpers.stream_sources import Fresh, Growing, Refills, intact
 from mmapcache import (
     CacheInUseError,
@@ -296,6 +297,33 @@ def test_producers_refuse_what_check_finite_refuses(cache_path: str) -> None:
                 assert not torch.isnan(batch["x"]).any(), "a NaN sample was served"
                 seen += batch["i"].tolist()
         assert seen == epoch_order(2, 0, N)[:24].tolist()  # the batches before the one holding it
+
+
+def _spin(flag: Any) -> None:
+    while True:
+        flag.is_set()
+
+
+def test_producers_checking_their_stop_flag_when_killed_never_block_the_others(cache_path: str) -> None:
+    # The producers' stop flag was a multiprocessing.Event, whose is_set() takes a lock shared by every process: a
+    # producer SIGKILLed inside it (about one kill in 250 of a kill storm) left the lock held, and the other
+    # producers, replace_dead() and stop() blocked for good. Here processes spinning on the flag are killed.
+    with MmapCachedDataset(cache_path, Fresh(N), stream=True, max_bytes=RING_BYTES, seed=4) as ds:
+        producer = ds.produce(workers=1)
+        flag, fork, rng = producer._stop, multiprocessing.get_context("fork"), np.random.default_rng(0)
+        for _ in range(20):
+            spinner = fork.Process(target=_spin, args=(flag,), daemon=True)
+            spinner.start()
+            time.sleep(rng.uniform(0.002, 0.01))
+            os.kill(spinner.pid, signal.SIGKILL)
+            spinner.join(30)
+        _wait_for(lambda: ds.stream_stats["ahead"] == ds.stream_stats["slots"])  # the producer went on
+        stopping = threading.Thread(target=producer.stop, daemon=True)
+        stopping.start()
+        stopping.join(30)
+        blocked = stopping.is_alive()
+        kill_alive(producer.processes)
+        assert not blocked, "stop() blocked on a lock a killed process held"
 
 
 def test_waiting_for_a_dead_producer_times_out_naming_it(cache_path: str) -> None:
