@@ -3,6 +3,7 @@ cache replaced by another source's job is refused in every process; indices are 
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import subprocess
@@ -174,9 +175,13 @@ def test_replaced_cache_is_refused_by_spawned_workers_and_after_close(cache_path
     a.fill()
     # Another job replaces it: same length and layout, another source.
     MmapCachedDataset(cache_path, Scaled(16, scale=7.0), fingerprint="B", overwrite=True).fill()
-    loader = DataLoader(a, batch_size=4, num_workers=1, multiprocessing_context="spawn")
+    batches = iter(DataLoader(a, batch_size=4, num_workers=1, multiprocessing_context="spawn"))
     with pytest.raises(CacheMismatchError, match=r"replaced by one of another source.*fingerprint 'A' before, 'B' now"):
-        list(loader)
+        next(batches)
+    # Its worker stops now: left to the garbage collector (the exception's frames hold the iterator), it went on
+    # fetching after the test had removed its directory, and created A's cache there again, left in /dev/shm.
+    del batches
+    gc.collect()
     # The dataset itself still maps A's (removed) files and serves A's samples; after close() it must reopen.
     assert sample_equal(a[3], Scaled(16, scale=1.0)[3])
     a.close()
