@@ -149,8 +149,7 @@ class _Runs:
             self.writer.write_rows(rows, columns, positions[todo])
 
         def publish() -> tuple[int, int, int]:
-            stored, _ = self.ring.publish_rows(keys, write)
-            return stored, len(keys), 0
+            return self.ring.publish_rows(keys, write), len(keys), 0
         return publish, None
 
     def _each(self, qs: list[int], indices: list[int], samples: list[Any] | None, done: dict[str, int]) -> Publish:

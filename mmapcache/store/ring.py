@@ -262,27 +262,28 @@ class Ring:
         claims. Returns how many it stored, and how many it left for want of heap room (``NoRoom``)."""
         slots = self.slots
         no_room: list[int] = []
-
-        def unpassed(publications: list[Any]) -> list[Any]:
-            low = self.low()
-            return [publication for publication in publications if publication[1] >= low]
         try:
-            stored = self.state.publish_many([(q % slots, q, write) for q, write in items], no_room, keep=unpassed)
+            stored = self.state.publish_many([(q % slots, q, write) for q, write in items], no_room,
+                                             wanted=self._unpassed)
             self.count(produced=stored, skipped=len(items) - stored - len(no_room))
             return stored, len(no_room)
         finally:
             self._release_run([q for q, _ in items])
 
-    def publish_rows(self, qs: np.ndarray, write: Any) -> tuple[int, int]:
+    def publish_rows(self, qs: np.ndarray, write: Any) -> int:
         """``publish`` for a claimed run whose values are a batch's columns (fixed-size fields): ``write(positions)``
-        writes the rows of ``qs[positions]``, all in one vectorised publication (``SlotState.publish_rows``)."""
-        slots = self.slots
+        writes the rows of ``qs[positions]``, all in one vectorised publication (``SlotState.publish_rows``).
+        Returns how many it stored."""
         try:
-            stored = self.state.publish_rows(qs % slots, qs, write, wanted=lambda keys: keys >= self.low())
+            stored = self.state.publish_rows(qs % self.slots, qs, write, wanted=self._unpassed)
             self.count(produced=stored, skipped=len(qs) - stored)
-            return stored, 0
+            return stored
         finally:
             self._release_run(qs.tolist())
+
+    def _unpassed(self, qs: np.ndarray) -> np.ndarray:
+        """Which of positions ``qs`` a consumer may still read (asked under the writer lock, as they publish)."""
+        return qs >= self.low()
 
     def _release_run(self, qs: list[int]) -> None:
         """Releases the claims of positions ``qs`` (ascending), each stretch of consecutive rows in one call."""

@@ -200,16 +200,16 @@ class SlotState:
                 self._end_change_locked()
 
     def publish_many(self, items: list[Publication], no_room: list[int] | None = None,
-                     keep: Callable[[list[Publication]], list[Publication]] | None = None) -> int:
+                     wanted: Callable[[np.ndarray], np.ndarray] | None = None) -> int:
         """``publish`` for several ``(row, key, write)`` under one acquisition of the lock (a batch's misses);
-        rows without heap room (``NoRoom``) are skipped (and added to ``no_room``). ``keep``, if given, is asked
-        under the lock first and returns the items still to publish (a stream's positions its readers have not
-        passed). Returns how many this call stored. Safe across processes and threads."""
+        rows without heap room (``NoRoom``) are skipped (and added to ``no_room``). ``wanted`` as for
+        ``publish_rows``. Returns how many this call stored. Safe across processes and threads."""
         self._require_writable()
         stored = 0
         with self.lock:
-            if keep is not None:
-                items = keep(items)
+            if wanted is not None and items:
+                mask = wanted(np.array([key for _, key, _ in items], np.int64))
+                items = [item for item, keep in zip(items, mask.tolist()) if keep]
             self._begin_change_locked()
             try:
                 for row, key, write in items:
