@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from helpers.once import once_per_run
 from helpers.sources import ImageLabels
 from helpers.torchrun import TESTS
 from mmapcache import MmapCachedDataset
 
 SCRIPT = os.path.join(TESTS, "helpers", "lightning_script.py")
 N = 96  # 6 batches of 8 per rank and epoch
+ONE = ("--devices", "1", "--strategy", "auto", "--epochs", "3")  # one device, no seed
 
 
 def _fit(*jobs: tuple[str, ...]) -> None:
@@ -62,18 +67,42 @@ def _covered_once(records: list[dict[str, Any]], out: str, epochs: int) -> None:
     assert calls == list(range(N))
 
 
-def test_a_step_checkpoint_resumes_exactly_mid_epoch_and_on_an_epochs_last_step(shm_dir: str, tmp_path: Any) -> None:
-    # The uninterrupted job runs under ddp_spawn with a worker per rank: Lightning wrapped the loader's own shuffled
-    # order, drawn differently on each rank, and each epoch trained on about three quarters of the data, a quarter
-    # of it twice. It checkpoints every 3 steps of 6-step epochs: step 6 is taken on epoch 0's last step, before the
-    # loader is exhausted. Resumed from it, a job trained 0 steps of epoch 1 and ended (the loader's state said
-    # "epoch 0, all batches yielded", and Lightning, moving on to epoch 1, got its empty rest); torchdata's
-    # StatefulDataLoader does the same. A resumed job must train what the uninterrupted one did from that step on,
-    # batch for batch, here under ddp (the loader's order depends neither on its workers nor on how the ranks were
-    # started: one reference serves all).
-    cache = os.path.join(shm_dir, "c")
-    whole = str(tmp_path / "whole")
-    _fit((whole, cache, "--strategy", "ddp_spawn", "--workers", "1", "--every", "3", "--epochs", "3"))
+@pytest.fixture
+def whole_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The uninterrupted jobs the resumed ones are compared with (``{name: output folder}``), run once per test run,
+    one after the other in one new process (a Lightning start-up costs about 9 CPU-seconds on the suite's machine):
+
+    - ``ranks``: 2 ranks under ``ddp_spawn`` (the resumed jobs run under ``ddp``: how the ranks were started must
+      not matter), 3 epochs of 6 steps, a checkpoint every 3 steps (step 6 is taken on epoch 0's last step, before
+      the loader is exhausted);
+    - ``one``: 1 device, unseeded (each run's global generator differs), 3 epochs, a checkpoint at each epoch's end.
+
+    Their caches are removed once they end: each resumed job starts on a new cache, as after a restart on another
+    machine (what a job reads does not depend on what its cache held).
+    """
+    def run(folder: Path) -> None:
+        shm = os.path.join("/dev/shm", f"mmapcache-test-lightning-{uuid.uuid4().hex[:12]}")
+        try:
+            _fit((str(folder / "ranks"), os.path.join(shm, "ranks"), "--strategy", "ddp_spawn", "--every", "3",
+                  "--epochs", "3"),
+                 (str(folder / "one"), os.path.join(shm, "one"), *ONE, "--epoch-end"))
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+
+    folder = once_per_run(tmp_path_factory, "lightning-whole", run)
+    return {name: str(folder / name) for name in ("ranks", "one")}
+
+
+def test_a_step_checkpoint_resumes_exactly_mid_epoch_and_on_an_epochs_last_step(
+        whole_jobs: dict[str, str], shm_dir: str, tmp_path: Any) -> None:
+    # The uninterrupted job once ran under ddp_spawn with a worker per rank: Lightning wrapped the loader's own
+    # shuffled order, drawn differently on each rank, and each epoch trained on about three quarters of the data, a
+    # quarter of it twice. Resumed from step 6 (epoch 0's last step), a job trained 0 steps of epoch 1 and ended (the
+    # loader's state said "epoch 0, all batches yielded", and Lightning, moving on to epoch 1, got its empty rest);
+    # torchdata's StatefulDataLoader does the same. A resumed job must train what the uninterrupted one did from
+    # that step on, batch for batch, here under ddp, with and without workers (the loader's order depends neither on
+    # its workers nor on how the ranks were started: one reference serves all).
+    whole, cache = whole_jobs["ranks"], os.path.join(shm_dir, "c")
     records = _records(whole)
     _covered_once(records, whole, 3)  # each epoch once across the ranks, each in its own order
     reference = {(r["rank"], r["epoch"], r["batch"]): r["indices"] for r in records}
@@ -92,18 +121,16 @@ def test_a_step_checkpoint_resumes_exactly_mid_epoch_and_on_an_epochs_last_step(
             assert record["indices"] == reference[key], f"{where}: batch {key} differs"
 
 
-def test_a_restart_from_an_end_of_epoch_checkpoint_reads_the_same_epochs(shm_dir: str, tmp_path: Any) -> None:
+def test_a_restart_from_an_end_of_epoch_checkpoint_reads_the_same_epochs(whole_jobs: dict[str, str], shm_dir: str,
+                                                                        tmp_path: Any) -> None:
     # ModelCheckpoint's default saves at each epoch's end, and from there Lightning restores no loader state, only
     # calls set_epoch: on one device the resumed epochs replayed the first one's order, and later, unseeded, read
     # orders drawn from the restarted process's global generator.
-    cache = os.path.join(shm_dir, "c")
-    whole = str(tmp_path / "whole")
-    one = ("--devices", "1", "--strategy", "auto", "--epochs", "3")  # unseeded: each run's global generator differs
-    _fit((whole, cache, *one, "--epoch-end"))
+    whole, cache = whole_jobs["one"], os.path.join(shm_dir, "c")
     reference = [[r["indices"] for r in _records(whole, 1) if r["epoch"] == epoch] for epoch in range(3)]
     assert len({str(epoch) for epoch in reference}) == 3
     resumed = str(tmp_path / "resumed")
-    _fit((resumed, cache, *one, "--resume", os.path.join(whole, "ckpt", "epoch=0.ckpt")))
+    _fit((resumed, cache, *ONE, "--resume", os.path.join(whole, "ckpt", "epoch=0.ckpt")))
     after = _records(resumed, 1)
     assert [[r["indices"] for r in after if r["epoch"] == epoch] for epoch in (1, 2)] == reference[1:]
 
