@@ -14,16 +14,13 @@ boundaries of a pass, in a process that had read that epoch before, resumed anot
 from __future__ import annotations
 
 import os
-import pickle
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from helpers.resume_points import Case, N, cases, options, original, resume
+from helpers.processes import another_process, collect, join_all, running
+from helpers.resume_points import Case, N, cases, options, original, resume, resume_all
 from helpers.sources import Numbered
-from helpers.torchrun import TESTS
 from mmapcache import MmapCachedDataset
 
 
@@ -35,16 +32,16 @@ def filled(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield path
 
 
-def _in_a_new_process(path: str, opts: dict[str, Any], todo: list[Case], tmp: Any) -> list[Any]:
-    job, out = tmp / "job.pkl", tmp / "out.pkl"
-    with open(job, "wb") as f:
-        pickle.dump({"cache": path, "options": opts, "cases": todo}, f)
-    env = {**os.environ, "PYTHONPATH": TESTS, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "helpers.resume_points", str(job), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    with open(out, "rb") as f:
-        return pickle.load(f)
+def _in_a_new_process(path: str, opts: dict[str, Any], todo: list[Case]) -> list[Any]:
+    """What each case's resumed loader yields in another process (``helpers.processes.another_process``), one that
+    never read the cache or held a loader."""
+    ctx = another_process()
+    results = ctx.Queue()
+    proc = ctx.Process(target=resume_all, args=(path, opts, todo, results))
+    with running([proc]):
+        (got,) = collect(results, 1, 300)
+        assert join_all([proc], 60) == [0]
+    return got
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -67,7 +64,7 @@ def test_a_state_taken_anywhere_resumes_what_the_loader_went_on_to_read(filled: 
         for case in todo:
             assert resume(ds, opts, case) == case.expected, f"same process, {case.name}"
         assert len(todo) >= (16 if workers else 36)
-    for case, got in zip(todo, _in_a_new_process(filled, opts, todo, tmp_path)):
+    for case, got in zip(todo, _in_a_new_process(filled, opts, todo)):
         assert got == case.expected, f"new process, {case.name}"
 
 

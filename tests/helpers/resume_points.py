@@ -1,16 +1,14 @@
 """Resume at every point: a loader's states taken after each batch of a pass (0 to all of them), and what a new loader
 given each one yields under the loops trainers run (``tests/test_resume_anywhere.py``).
 
-Run as a module, it is the resumed job in a new process: ``python -m helpers.resume_points IN OUT`` reads the cases
-(a pickle) and writes what each resumed loader yielded. A new process per case would cost an interpreter each; here
-each case gets a new dataset object (no set_epoch seen, no pass read) and torch's global generator reseeded.
+``resume_all`` is the resumed job in another process, all cases in one (a process per case would cost one each).
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import pickle
-import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -145,17 +143,15 @@ def _resume(ds: MmapCachedDataset, opts: dict[str, Any], case: Case) -> list[lis
     return out
 
 
-def main() -> None:
-    with open(sys.argv[1], "rb") as f:
-        job = pickle.load(f)
-    results = []
-    for case in job["cases"]:
-        torch.manual_seed(12345)  # the resumed process's global generator is not the interrupted one's
-        with MmapCachedDataset(job["cache"], Numbered(N), fingerprint="numbered") as ds:  # nothing seen or read
-            results.append(resume(ds, job["options"], case))
-    with open(sys.argv[2], "wb") as f:
-        pickle.dump(results, f)
-
-
-if __name__ == "__main__":
-    main()
+def resume_all(path: str, opts: dict[str, Any], todo: list[Case], results: Any) -> None:
+    """The resumed job in another process: puts what each case's resumed loader yielded on ``results``. Each case
+    gets a new dataset object (no set_epoch seen, no pass read) and torch's global generator reseeded (the resumed
+    process's is not the interrupted one's). Its DataLoader workers are forked, as the original loader's were (a
+    forkserver's child would start them from its server)."""
+    multiprocessing.set_start_method("fork", force=True)
+    got = []
+    for case in todo:
+        torch.manual_seed(12345)
+        with MmapCachedDataset(path, Numbered(N), fingerprint="numbered") as ds:
+            got.append(resume(ds, opts, case))
+    results.put(got)
