@@ -50,6 +50,29 @@ def test_every_relative_link_leads_somewhere(page: str) -> None:
     assert not broken, f"{os.path.relpath(page, ROOT)}: " + "; ".join(broken)
 
 
+# A test named in backticks, with its file or without: `test_x.py::test_y`, `test_y`, `test_y[param]`.
+TEST_NAME = re.compile(r"`(?:(?:tests/)?(test_\w+\.py)::)?(test_\w+)(?:\[[^\]`]*\])?`")
+
+
+def test_every_test_the_documentation_names_exists() -> None:
+    # docs/guarantees.md names the test behind each guarantee: one named a test merged into another two stops before.
+    defined: dict[str, set[str]] = {}
+    for name in os.listdir(os.path.join(ROOT, "tests")):
+        if name.startswith("test_") and name.endswith(".py"):
+            with open(os.path.join(ROOT, "tests", name)) as f:
+                for test in re.findall(r"(?m)^def (test_\w+)\(", f.read()):
+                    defined.setdefault(test, set()).add(name)
+    named, missing = 0, []
+    for page in PAGES:
+        with open(page) as f:
+            for file, test in TEST_NAME.findall(f.read()):
+                named += 1
+                if test not in defined or (file and file not in defined[test]):
+                    missing.append(f"{os.path.relpath(page, ROOT)}: {file + '::' if file else ''}{test}")
+    assert named >= 50, "the guarantees name their tests"
+    assert not missing, "named tests that do not exist: " + "; ".join(missing)
+
+
 def test_the_documentation_builds_without_a_warning(tmp_path: Any) -> None:
     done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
                            os.path.join(ROOT, "docs"), str(tmp_path / "html")], capture_output=True, text=True,
