@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CacheFormatError, CacheReadOnlyWarning, CacheRemovedWarning, SampleNotCachedError, warn
-from ..format.batch import FILLED, SHARED, UNWALKED, arrays_of, overlaps
+from ..format.batch import FILLED, SHARED
 from ..format.fields import Field
 from ..read.reader import RowReader
 from ..store.rows import RowMap
@@ -220,8 +220,6 @@ class Misses:
             raise
         whole = len(todo) == len(idx)
         outcome = fill(samples, columns, None if whole else todo)
-        if outcome == UNWALKED and overlaps([arrays_of(sample) for sample in samples]):
-            outcome = SHARED
         if outcome == SHARED:
             # The source refills one buffer (whole, or at shifting offsets): the samples fetched before the last may
             # be gone. From now on, each sample is copied out before the next is computed (the per-sample path),

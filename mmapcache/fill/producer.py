@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CacheFormatError, CacheNotFoundError
-from ..format.batch import FILLED, SHARED, UNWALKED, arrays_of, overlaps
+from ..format.batch import FILLED, SHARED
 from ..read.reader import RowReader
 from ..store.ring import Ring, register_producer
 from ..store.store import Store
@@ -135,8 +135,6 @@ class _Runs:
         reader = self.reader
         columns = reader.gather(np.full(len(qs), -1, np.int64))[0]
         outcome = reader.fill_batch(samples, columns, None)  # type: ignore[misc]  # (batched: not None)
-        if outcome == UNWALKED and overlaps([arrays_of(sample) for sample in samples]):
-            outcome = SHARED
         if outcome == SHARED:
             self.batched = False
             return None, None

@@ -18,7 +18,7 @@ from .codec import torch_dtype
 from .layout import BOOL, FLOAT, INT, NDARRAY, NPSCALAR, TENSOR, Field, Layout
 
 # What a batch filler did with a batch (see compile_batch_filler).
-FILLED, UNUSUAL, SHARED, UNWALKED = "filled", "unusual", "shared", "unwalked"
+FILLED, UNUSUAL, SHARED = "filled", "unusual", "shared"
 
 # Fills a batch's columns at ``positions`` (None: every position, in order) from the samples computed for them.
 BatchFiller = Callable[[list[Any], list[np.ndarray], "np.ndarray | None"], str]
@@ -33,8 +33,7 @@ def compile_batch_filler(layout: Layout) -> BatchFiller | None:
     It returns ``FILLED``; or, having written nothing that matters (the caller overwrites it): ``UNUSUAL`` when a
     sample needs the per-sample check, ``SHARED`` when the memory of two samples' arrays overlaps (a source that
     refills one output buffer, whole or at shifting offsets: the earlier samples' values may be gone, they must be
-    computed again one at a time), ``UNWALKED`` when a sample does not have the layout's structure (overlap then
-    unchecked).
+    computed again one at a time; checked too when a sample does not have the layout's structure).
 
     It accepts exactly what ``compile_checker`` accepts, with one exception: tensors with the conjugate or
     negative bit set are stacked with the bit resolved, as ``Layout.check`` would convert them.
@@ -53,8 +52,8 @@ def compile_batch_filler(layout: Layout) -> BatchFiller | None:
         try:
             for sample in samples:
                 walk(sample, leaves)
-        except Slow:
-            return UNWALKED
+        except Slow:  # (the per-sample check explains; the samples' arrays, wherever they are, may still overlap)
+            return SHARED if overlaps([arrays_of(sample) for sample in samples]) else UNUSUAL
         if not all(filler(leaves[n::count], columns[n], positions)  # type: ignore[misc]
                    for n, filler in by_field):
             return SHARED if arrays and overlaps([[leaves[j * count + n] for n in arrays]
