@@ -259,7 +259,7 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         row = rows.row(i, self._epoch_view[0])
         sample = reader.read(row, i if rows.keyed else -1) if row >= 0 else None
         if sample is None:
-            sample = self._miss(i, row)
+            sample = self._misses.one(i, row) if self._ring is None else self._miss(i, row)
         return self.transform(sample) if self.transform is not None else sample
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:

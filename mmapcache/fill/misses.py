@@ -31,9 +31,13 @@ def fetcher(source: Any, path: str) -> Callable[[int], Any]:
         try:
             return source[index]
         except Exception as exc:
-            exc.add_note(f"mmapcache: raised by the source dataset computing sample {index} for the cache at {path}")
+            _annotate(exc, index, path)
             raise
     return fetch
+
+
+def _annotate(exc: Exception, index: int, path: str) -> None:
+    exc.add_note(f"mmapcache: raised by the source dataset computing sample {index} for the cache at {path}")
 
 
 def checker(check_finite: bool) -> Callable[[RowReader, Any, int], list[Any]]:
@@ -71,6 +75,7 @@ class Misses:
         self.batched = reader.fill_batch is not None and source is not None
 
     def require_source(self, index: int, row: int) -> None:
+        """Raises ``SampleNotCachedError`` naming the fix if there is no source to compute sample ``index``."""
         if self.source is not None:
             return
         path = self.path
@@ -88,28 +93,31 @@ class Misses:
     # --- one sample --------------------------------------------------------------------------------------------
 
     def one(self, index: int, row: int) -> Any:
-        """Computes sample ``index`` and stores it in ``row`` if it is cacheable (>= 0). A stored miss is returned as
-        a hit would return it (a plain Tensor, an int...), not as the source's own objects."""
-        self.require_source(index, row)
-        sample = self.fetch(index)
+        """Computes sample ``index``, checks it and stores it in ``row`` if it is cacheable (>= 0; not when
+        read-only, or without heap room). A stored miss is returned as a hit would return it (a plain Tensor, an
+        int...), not as the source's own objects. Every ``ds[i]`` that misses comes here: the steps are inlined."""
+        source = self.source
+        if source is None:
+            self.require_source(index, row)
+        try:
+            sample = source[index]  # (self.fetch)
+        except Exception as exc:
+            _annotate(exc, index, self.path)
+            raise
         if row < 0:
             return sample  # passes through, never stored
-        return self.reader.sample_from_values(self.publish(index, row, sample))
-
-    def publish(self, index: int, row: int, sample: Any) -> list[Any]:
-        """Checks ``sample`` and stores it in ``row`` (not when read-only, or without heap room); its values."""
         reader = self.reader
-        values = self.checked(reader, sample, index)
+        values = reader.check(sample, index) if not self.check_finite else self.checked(reader, sample, index)
         if not self.store.writable:
             _warn_read_only(self.path)
-            return values
-        try:
-            self.store.state.publish(row, index, functools.partial(self.writer.write, row, values))
-        except NoRoom:  # no heap room: served uncached (counted, and warned once)
-            pass
-        except CacheFormatError as exc:
-            self._if_removed(exc, strict=False)
-        return values
+        else:
+            try:
+                self.store.state.publish(row, index, functools.partial(self.writer.write, row, values))
+            except NoRoom:  # no heap room: served uncached (counted, and warned once)
+                pass
+            except CacheFormatError as exc:
+                self._if_removed(exc, strict=False)
+        return reader.sample_from_values(values)
 
     def _if_removed(self, exc: CacheFormatError, strict: bool) -> None:
         """``exc`` came from publishing: if the cache was removed or replaced under this process (its writer lock

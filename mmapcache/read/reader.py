@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import CacheFormatError, LayoutError
 from ..format.batch import compile_batch_filler
-from ..format.check import compile_checker
+from ..format.check import call, compile_checker
 from ..format.codec import (
     batch_builder,
     batch_converter,
@@ -61,18 +61,13 @@ def _checker(store: Store) -> Callable[[Any, int], list[Any]]:
     """The layout's check of one sample (``format.check``). A sample it refuses is the source's fault
     (``LayoutError``) unless the cache's own rows contradict the layout ``meta.json`` records: then that file is
     damaged, whoever computed the sample (a miss, a build worker, a producer, an opener comparing samples)."""
-    check = compile_checker(store.layout, store.path)
-
-    def checked(sample: Any, index: int) -> list[Any]:
-        try:
-            return check(sample, index)
-        except LayoutError as exc:
-            damage = store.layout_contradiction()
-            if damage is None:
-                raise
-            raise CacheFormatError(f"{damage}; the file is damaged (sample {index} did not fit it either: {exc}). "
-                                   "Remove the cache (`mmapcache rm --force`) and build it again") from exc
-    return checked
+    def refused(exc: LayoutError, index: int) -> Exception:
+        damage = store.layout_contradiction()
+        if damage is None:
+            return exc
+        return CacheFormatError(f"{damage}; the file is damaged (sample {index} did not fit it either: {exc}). "
+                                "Remove the cache (`mmapcache rm --force`) and build it again")
+    return compile_checker(store.layout, store.path, refused)
 
 
 class RowReader:
@@ -204,7 +199,7 @@ class RowReader:
         a numpy scalar, and the cache's containers. Arrays are not copied: a tensor shares memory with the
         source's (``torch.from_numpy`` of the checked numpy view), as a hit's tensor is a view of its own copy.
         """
-        leaves = [convert(value) for convert, value in zip(self._miss_converters, values)]
+        leaves = list(map(call, self._miss_converters, values))
         return self.build(leaves if self.wrap is None else self.wrap(leaves))
 
     @property

@@ -189,15 +189,21 @@ class SlotState:
         the sample uncached, and counts it). ``wanted``, if
         given, is asked under the lock first: False leaves the row alone (a stream position its reader has
         passed). Returns whether this call stored the row. Safe across processes and threads."""
-        self._require_writable()
+        if not self.writable:
+            self._require_writable()
         with self.lock:
             if wanted is not None and not wanted():
                 return False
-            self._begin_change_locked()
+            # _begin_change_locked and _end_change_locked, inlined: this is every single miss's path.
+            changes = self.changes
+            counter = changes[0]
+            if counter & 1:
+                changes[1] = self.complete_rows()
+            changes[0] = counter | 1
             try:
                 return self._publish_locked(row, key, write)
             finally:
-                self._end_change_locked()
+                changes[0] = (changes[0] + 1) & 0xFFFFFFFFFFFFFFFF
 
     def publish_many(self, items: list[Publication], no_room: list[int] | None = None,
                      wanted: Callable[[np.ndarray], np.ndarray] | None = None) -> int:
@@ -258,22 +264,23 @@ class SlotState:
 
     def _publish_locked(self, row: int, key: int, write: Callable[[bool], None]) -> bool:
         """Caller holds the writer lock."""
+        counters, filled_bits, stale_bits = self.seq, self.filled, self.stale
         byte, mask = row >> 3, 1 << (row & 7)
-        seq = self.seq[row]
-        filled = bool(self.filled[byte] & mask) and not seq & 1  # odd: a writer died mid-write
-        complete = filled and not self.stale[byte] & mask
+        seq = counters[row]
+        filled = bool(filled_bits[byte] & mask) and not seq & 1  # odd: a writer died mid-write
+        complete = filled and not stale_bits[byte] & mask
         if complete and self.keys[row] == key:
             return False
-        self.seq[row] = (seq | 1) & 0xFFFFFFFF
+        counters[row] = (seq | 1) & 0xFFFFFFFF
         try:
             write(not seq & 1 and seq != 0)
         except (NoRoom, CacheFormatError):
-            self.seq[row] = seq  # refused before anything was written: the row stays what it was
+            counters[row] = seq  # refused before anything was written: the row stays what it was
             raise
         self.keys[row] = key
-        self.seq[row] = ((seq | 1) + 1) & 0xFFFFFFFF or 2  # wraps past 0 to 2: 0 means "never written"
-        self.filled[byte] |= mask
-        self.stale[byte] &= ~mask & 0xFF
+        counters[row] = ((seq | 1) + 1) & 0xFFFFFFFF or 2  # wraps past 0 to 2: 0 means "never written"
+        filled_bits[byte] |= mask
+        stale_bits[byte] &= ~mask & 0xFF
         if not complete:  # (a row rewritten for another key was complete before, and still is)
             self.changes[1] += 1
         return True

@@ -38,6 +38,11 @@ class RowWriter:
         self.shapes = store.shapes
         self.ragged = [n for n, f in enumerate(self.fields) if f.ragged]
         self._row_bytes = [f.nbytes for f in self.fields]
+        # Every field stored through the map by ``write`` (fixed, no ``max_shapes``, under a page or 1-D): its loop
+        # reduced to the assignments (a single miss of small rows is mostly such overhead).
+        self._through_map = not self.ragged and all(
+            data is not None and shapes is None and (fd < 0 or data.ndim == 1 or row_bytes < _PAGE_BYTES)
+            for data, shapes, fd, row_bytes in zip(self.data, self.shapes, store.data_fds, self._row_bytes))
         self._warned: set[str] = set()
 
     def write(self, row: int, values: list[Any], owned: bool) -> None:
@@ -50,6 +55,10 @@ class RowWriter:
         written (the sample is then served uncached), and so is ``CacheFormatError`` for a heap whose counters or
         this row's extent are damaged.
         """
+        if self._through_map:
+            for data, value in zip(self.data, values):
+                data[row] = value
+            return
         if self.ragged:
             self._write_ragged(row, values, owned)
         for data, shapes, fd, offset, row_bytes, value in zip(
