@@ -8,11 +8,15 @@ process group). A sampler that gives every rank the whole dataset is warned abou
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from helpers.once import once_per_run
 from helpers.order_checks import N, labels
 from helpers.sources import ImageLabels
 from mmapcache import DistributedOrderWarning, MmapCachedDataset
@@ -86,16 +90,27 @@ def test_lightning_leaves_the_loaders_sampler_alone(cache: MmapCachedDataset) ->
     assert cache.epoch == 7
 
 
-@pytest.mark.parametrize("process_group", [False, True])
-def test_a_torchrun_job_splits_each_epoch_with_no_sampler(shm_dir: str, tmp_path: Any, process_group: bool) -> None:
+@pytest.fixture
+def torchrun_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What each rank of a 2-rank torchrun job read with no sampler (``loader_script.py``), in two phases: finding
+    its rank from torchrun's environment alone, then from a gloo process group. Run once per test run; its cache
+    is removed when it ends."""
     from helpers.torchrun import TESTS, finish, results, torchrun
 
-    out = tmp_path / "out"
-    out.mkdir()
-    script = os.path.join(TESTS, "helpers", "loader_script.py")
-    finish(torchrun(["--standalone", "--nproc-per-node=2", script, str(out), os.path.join(shm_dir, "c"),
-                     "--samples", "50", *(["--process-group"] if process_group else [])], {}))
-    ranks = results(str(out))
+    def run(out: Path) -> None:
+        cache_dir = os.path.join("/dev/shm", f"mmapcache-test-{uuid.uuid4().hex[:12]}")
+        try:
+            finish(torchrun(["--standalone", "--nproc-per-node=2", os.path.join(TESTS, "helpers", "loader_script.py"),
+                             str(out), os.path.join(cache_dir, "c"), "--samples", "50"], {}))
+        finally:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+    return results(str(once_per_run(tmp_path_factory, "torchrun-no-sampler", run)))
+
+
+@pytest.mark.parametrize("phase", ["environment", "process group"])
+def test_a_torchrun_job_splits_each_epoch_with_no_sampler(torchrun_job: list[dict[str, Any]], phase: str) -> None:
+    ranks = [r[phase] for r in torchrun_job]
     for epoch in range(2):
         read = [r["epochs"][epoch] for r in ranks]
         assert len(read[0]) == len(read[1]) == 25 and sorted(read[0] + read[1]) == list(range(50))
