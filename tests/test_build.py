@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
+from helpers.cli_sources import NotFinite
 from helpers.processes import kill_alive
 from helpers.sources import ImageLabels, sample_equal
 from mmapcache import MmapCachedDataset, build
@@ -161,6 +162,29 @@ def test_failures_are_reported_and_the_rest_stored(cache_path: str, capsys: pyte
                       "sample 3"], err
     with MmapCachedDataset(cache_path) as ds:
         assert ds.num_cached == 30 and not ds.is_cached(3) and not ds.is_cached(17)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_check_finite_reports_samples_holding_nan_or_inf_as_failed(cache_path: str, workers: int,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # A build stored NaNs bit for bit whatever the dataset was opened with: a user who opens the cache with
+    # check_finite=True then read, warm, what a miss of the same sample refuses.
+    kwargs = '{"n": 40, "nan": [3, 30], "inf": [17]}'
+    code = main(["build", cache_path, "--dataset", f"{SPEC}:NotFinite", "--kwargs", kwargs, "--workers",
+                 str(workers), "--check-finite"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "failed 3" in out, out
+    failed = [line for line in err.splitlines() if line.startswith("mmapcache: failed: ")]
+    assert failed == ["mmapcache: failed: 3 samples (3, 17, 30), e.g. sample 3: ValueError: sample 3, field 'x': "
+                      "contains NaN or infinite values (check_finite=True); nothing was stored for it"], err
+    source = NotFinite(40, nan=[3, 30], inf=[17])
+    with MmapCachedDataset(cache_path) as ds:
+        assert ds.num_cached == 37 and not any(ds.is_cached(i) for i in (3, 17, 30))
+        assert all(sample_equal(ds[i], source[i]) for i in range(40) if i not in (3, 17, 30))
+    # The same build without the flag stores them as they are (as a dataset without check_finite does).
+    assert main(["build", cache_path, "--dataset", f"{SPEC}:NotFinite", "--kwargs", kwargs]) == 0
+    with MmapCachedDataset(cache_path) as ds:
+        assert ds.num_cached == 40 and ds[3]["x"].isnan().sum() == 1 and ds[17]["x"][5] == -float("inf")
 
 
 def test_fail_fast_stops_at_the_first_failure(cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -78,6 +78,9 @@ def register(add: Add) -> None:
                         "of several nodes holds this node's part, and local rank 0 runs the node's producers")
     p.add_argument("--stream-seed", type=int, default=0, metavar="N",
                    help="with --stream: the seed of the stream's order (MmapCachedDataset's seed=; default 0)")
+    p.add_argument("--check-finite", action="store_true",
+                   help="refuse samples holding NaN or infinite values: each is reported as failed, not stored "
+                        "(a stream's producers leave it to its reader, which raises)")
     p.add_argument("--follow", action="store_true",
                    help="keep running: refill rows that become stale or unfilled (poll 0.5 s) until SIGINT/SIGTERM")
     p.set_defaults(run=_cmd_build)
@@ -94,7 +97,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
             indices=args.indices,
             fingerprint=args.fingerprint, max_bytes=args.max_bytes, variants=args.variants,
             max_shapes=_max_shapes(args.max_shapes), refresh=args.refresh, ragged=_ragged(args.ragged),
-            follow=args.follow, fail_fast=args.fail_fast, seed=args.seed, progress=True,
+            follow=args.follow, fail_fast=args.fail_fast, check_finite=args.check_finite, seed=args.seed,
+            progress=True,
             deterministic=args.deterministic,
             node_share=args.node_share, rotate_every=args.rotate_every, share_seed=args.share_seed,
             stream=args.stream, stream_seed=args.stream_seed,

@@ -77,6 +77,7 @@ def build(
     stream_seed: int = 0,
     follow: bool = False,
     fail_fast: bool = False,
+    check_finite: bool = False,
     deterministic: bool = True,
     seed: int | None = None,
     progress: bool = False,
@@ -113,6 +114,9 @@ def build(
             ``refresh``), polling every 0.5 s, until interrupted (KeyboardInterrupt; the CLI maps SIGTERM to it).
             For a stream: produce until interrupted (required).
         fail_fast: stop at the first sample whose source raises.
+        check_finite: as ``MmapCachedDataset``'s: a sample holding NaN or infinite floating-point values is not
+            stored but reported as failed (``report.failed``), like one whose source raises; a stream's producers
+            leave it to its reader, which computes it and raises.
         deterministic: whether the source returns the same sample for the same index every time; recorded when
             this call creates the cache. Without a fingerprint, opening an existing cache recomputes its first
             sample and a few other stored ones and refuses the cache if the bytes differ (a changed source); a
@@ -165,7 +169,7 @@ def build(
         return report
     if stream:
         try:
-            _produce(store, spec, workers, report, progress, out or sys.stdout)
+            _produce(store, spec, workers, report, progress, out or sys.stdout, check_finite)
         finally:
             _release(store)
             report.elapsed = time.monotonic() - started
@@ -183,7 +187,7 @@ def build(
         # Ragged values' sizes are not the cache's to know: such layouts keep chunks of at most 64 rows.
         row_bytes = max(sum(field.nbytes for field in store.layout.fields),
                         (64 << 10) if any(field.ragged for field in store.layout.fields) else 0)
-        plan = Plan(path, spec, chunk_rows(store.rows, row_bytes), start, stop, fail_fast)
+        plan = Plan(path, spec, chunk_rows(store.rows, row_bytes), start, stop, fail_fast, check_finite)
         driver = Driver(store, plan, workers, shard, report, progress, out or sys.stdout, started)
         if created:
             driver.created()
@@ -221,12 +225,13 @@ def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, ma
     return store, created
 
 
-def _produce(store: Store, spec: DatasetSpec, workers: int, report: BuildReport, progress: bool, out: Any) -> None:
+def _produce(store: Store, spec: DatasetSpec, workers: int, report: BuildReport, progress: bool, out: Any,
+             check_finite: bool) -> None:
     """Runs ``workers`` producers for the stream until KeyboardInterrupt (or the cache's removal); counts what
     they produced in ``report.filled`` (and ``skipped``), printing the ring's state every 5 s with ``progress``."""
     ring = Ring(store)
     before = ring.stats()
-    producer = Producer.start(store.path, spec, workers)
+    producer = Producer.start(store.path, spec, workers, check_finite=check_finite)
     last = time.monotonic()
     restarts: list[float] = []
     try:

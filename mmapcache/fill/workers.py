@@ -57,6 +57,7 @@ class Plan:
     start: int
     stop: int | None
     fail_fast: bool
+    check_finite: bool = False  # refuse samples holding NaN or infinities (each a failed sample)
 
 
 def chunk_targets(rows: RowMap, plan: Plan, chunk: int) -> np.ndarray:
@@ -85,7 +86,7 @@ class _Worker:
         self.writer = RowWriter(self.store)
         self.claims = ChunkClaims(plan.path)
         self.dataset = plan.source()
-        self.misses = Misses(self.dataset, self.store, self.rows, self.reader, check_finite=False)
+        self.misses = Misses(self.dataset, self.store, self.rows, self.reader, check_finite=plan.check_finite)
         self.set_epoch = getattr(self.dataset, "set_epoch", None) if self.store.variants > 1 else None
 
 
@@ -186,7 +187,7 @@ class Filler:
         plan, state, reader = self.plan, worker.store.state, worker.reader
         for row, index in zip(rows.tolist(), indices.tolist()):
             try:
-                values = reader.check(worker.dataset[index], index)
+                values = worker.misses.checked(reader, worker.dataset[index], index)
                 try:
                     stored = state.publish(row, index, functools.partial(worker.writer.write, row, values))
                 except NoRoom:

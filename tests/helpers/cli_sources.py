@@ -34,6 +34,24 @@ class Failing(Dataset):
         return self.inner[index]
 
 
+class NotFinite(Dataset):
+    """``{"x": 6 float32 values, "i": index}``: sample ``k`` of ``nan`` holds a NaN, of ``inf`` an infinity."""
+
+    def __init__(self, n: int = 32, nan: list[int] | None = None, inf: list[int] | None = None) -> None:
+        self.n, self.nan, self.inf = n, set(nan or []), set(inf or [])
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        x = torch.arange(6, dtype=torch.float32) + index
+        if index in self.nan:
+            x[2] = float("nan")
+        if index in self.inf:
+            x[5] = -float("inf")
+        return {"x": x, "i": index}
+
+
 class Drifting(Dataset):
     """Samples that change with a counter file: ``version`` is added to every label (to see refills)."""
 
