@@ -34,7 +34,7 @@ from mmapcache import (
     StreamTimeoutError,
     describe,
 )
-from mmapcache.fill.producer import _next_run
+from mmapcache.fill.producer import SourceFactory, _next_run, produce
 from mmapcache.store.ring import epoch_order
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -297,6 +297,43 @@ def test_producers_refuse_what_check_finite_refuses(cache_path: str) -> None:
                 assert not torch.isnan(batch["x"]).any(), "a NaN sample was served"
                 seen += batch["i"].tolist()
         assert seen == epoch_order(2, 0, N)[:24].tolist()  # the batches before the one holding it
+
+
+class _FailingAt(Dataset):
+    """``{"x": 4 floats, "i": index}``; sample ``bad`` raises. Counts the calls for it (in this process)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad, self.bad_calls = n, bad, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        if i == self.bad:
+            self.bad_calls += 1
+            raise ValueError(f"corrupt sample {i}")
+        return {"x": torch.full((4,), float(i)), "i": i}
+
+
+def test_a_producer_backs_off_from_a_failing_sample_while_the_ring_is_full(cache_path: str) -> None:
+    # A failing sample's position is released unpublished, for its reader to compute (and raise). While the ring was
+    # full it was the one position left to claim, and the producer computed it again at once, over and over: a
+    # core spent on a sample that cannot be stored (about 40,000 calls a second here, for as long as the reader
+    # stood still). It now backs off as it does from a full heap.
+    bad = int(epoch_order(5, 0, N)[30])  # past the positions the creator stores, within the first ring
+    source = _FailingAt(N, bad)
+    with MmapCachedDataset(cache_path, source, stream=True, max_bytes=RING_BYTES, seed=5) as ds:
+        stop = threading.Event()
+        timer = threading.Timer(1.0, stop.set)
+        timer.start()
+        before = source.bad_calls  # (opening the stream may have probed it)
+        done = produce(cache_path, SourceFactory(source), stop)  # no reader moves: the ring fills, then waits
+        timer.join()
+        assert ds.stream_stats["ahead"] == ds.stream_stats["slots"] - 1  # all but the failing position
+    tries = source.bad_calls - before
+    assert tries >= done["failed"] >= 1  # (a run's batch that fails is computed again one by one)
+    # 1 s of waiting, with waits doubling from 0.5 ms to 20 ms: about 60 tries at most; spinning made thousands.
+    assert tries < 200, tries
 
 
 def _spin(flag: Any) -> None:

@@ -76,19 +76,21 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None, check_f
                 time.sleep(poll)
                 poll = min(2 * poll, _IDLE_POLL[1])
                 continue
-            poll = _IDLE_POLL[0]
-            started = time.perf_counter()
+            started, failed = time.perf_counter(), done["failed"]
             publish = runs.compute(qs, done)
             run = _next_run(ring.slots, (time.perf_counter() - started) / len(qs))
             stored, offered, no_room = publish()
             done["produced"] += stored
             done["skipped"] += offered - stored
-            if no_room:
-                # A full heap (max_bytes): the position is abandoned, and its reader computes it (Ring.abandoned).
-                # Until readers pass it, it is the one position to claim again: back off instead of spinning on it.
+            if no_room or (done["failed"] > failed and not stored):
+                # A full heap (max_bytes) or a sample that fails: the position is abandoned or released, and its
+                # reader computes it. While the ring is full it is the one position to claim again: back off
+                # instead of spinning on it.
                 time.sleep(poll)
                 poll = min(2 * poll, _IDLE_POLL[1])
                 run = 1
+            else:
+                poll = _IDLE_POLL[0]
     except (CacheNotFoundError, CacheFormatError):
         if not store.moved():
             raise
