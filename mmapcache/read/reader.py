@@ -137,6 +137,8 @@ class RowReader:
     def read(self, row: int, key: int = -1) -> Any | None:
         """The sample in ``row``, or None if it is not filled (or stale, or being written, or holds another key
         than ``key`` when one is given): a miss."""
+        if not self.state.filled[row >> 3] >> (row & 7) & 1:
+            return None  # a miss before the seqlock loop, which says the same (a cold ds[i]: one frame less)
         leaves = self._consistent(row, self._readers, key)
         if leaves is None:
             return None

@@ -65,7 +65,7 @@ class WriterLock:
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, exc: object, traceback: object) -> None:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
