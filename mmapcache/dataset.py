@@ -100,6 +100,8 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         wait_timeout: see ``on_miss``.
         delete_on_close: remove the cache when the last process using it closes it or exits.
         check_finite: refuse (ValueError, nothing stored) samples with NaN or infinite floating-point values.
+            A check of what this process computes and stores: rows another process stored are read as they
+            are (fill such a cache with ``build(check_finite=True)`` or ``--check-finite`` too).
         deterministic: whether the source returns the same sample for the same index every time (default True;
             recorded when this opener creates the cache). An opener without a fingerprint recomputes the cache's
             first sample and 3 other stored ones (chosen at random on each open) and compares them byte for byte
