@@ -168,23 +168,32 @@ def test_failures_are_reported_and_the_rest_stored(cache_path: str, capsys: pyte
 def test_check_finite_reports_samples_holding_nan_or_inf_as_failed(cache_path: str, workers: int,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     # A build stored NaNs bit for bit whatever the dataset was opened with: a user who opens the cache with
-    # check_finite=True then read, warm, what a miss of the same sample refuses.
-    kwargs = '{"n": 40, "nan": [3, 30], "inf": [17]}'
+    # check_finite=True then read, warm, what a miss of the same sample refuses. Samples 5 and 11 are among those the
+    # creation stores as layout probes (its first version checked only what its workers stored).
+    bad = (3, 5, 11, 17, 30)
+    kwargs = '{"n": 40, "nan": [3, 5, 30], "inf": [11, 17]}'
     code = main(["build", cache_path, "--dataset", f"{SPEC}:NotFinite", "--kwargs", kwargs, "--workers",
                  str(workers), "--check-finite"])
     out, err = capsys.readouterr()
-    assert code == 1 and "failed 3" in out, out
+    assert code == 1 and "failed 5" in out, out
     failed = [line for line in err.splitlines() if line.startswith("mmapcache: failed: ")]
-    assert failed == ["mmapcache: failed: 3 samples (3, 17, 30), e.g. sample 3: ValueError: sample 3, field 'x': "
-                      "contains NaN or infinite values (check_finite=True); nothing was stored for it"], err
-    source = NotFinite(40, nan=[3, 30], inf=[17])
+    assert failed == ["mmapcache: failed: 5 samples (3, 5, 11, 17, 30), e.g. sample 3: ValueError: sample 3, field "
+                      "'x': contains NaN or infinite values (check_finite=True); nothing was stored for it"], err
+    source = NotFinite(40, nan=[3, 5, 30], inf=[11, 17])
     with MmapCachedDataset(cache_path) as ds:
-        assert ds.num_cached == 37 and not any(ds.is_cached(i) for i in (3, 17, 30))
-        assert all(sample_equal(ds[i], source[i]) for i in range(40) if i not in (3, 17, 30))
+        assert ds.num_cached == 35 and not any(ds.is_cached(i) for i in bad)
+        assert all(sample_equal(ds[i], source[i]) for i in range(40) if i not in bad)
     # The same build without the flag stores them as they are (as a dataset without check_finite does).
     assert main(["build", cache_path, "--dataset", f"{SPEC}:NotFinite", "--kwargs", kwargs]) == 0
     with MmapCachedDataset(cache_path) as ds:
         assert ds.num_cached == 40 and ds[3]["x"].isnan().sum() == 1 and ds[17]["x"][5] == -float("inf")
+    capsys.readouterr()
+    # A first sample holding NaN cannot create the cache: one error line, as for a source that raises on it.
+    other = cache_path + "-first"
+    assert main(["build", other, "--dataset", f"{SPEC}:NotFinite", "--kwargs", '{"n": 8, "nan": [0]}',
+                 "--check-finite"]) == 2
+    assert "sample 0, field 'x': contains NaN or infinite values" in capsys.readouterr().err
+    assert not os.path.exists(other)
 
 
 def test_fail_fast_stops_at_the_first_failure(cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,6 +31,7 @@ from ..store.split import StreamSplit, stream_split_option
 from ..store.store import Store
 from .create import Request, Source
 from .driver import BuildReport, Driver, Failure
+from .misses import checker
 from .open import open_cache
 from .options import CreateOptions
 from .producer import Producer
@@ -158,7 +159,8 @@ def build(
                          "build with --follow (follow=True) next to training")
     store, created = _open_or_create(path, spec, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants,
                                      max_shapes=max_shapes, ragged=ragged, deterministic=deterministic,
-                                     share=share, stream=stream, stream_seed=stream_seed, split=split)
+                                     share=share, stream=stream, stream_seed=stream_seed, split=split,
+                                     check_finite=check_finite)
     report = BuildReport(path)
     local = local_rank_and_size(path)
     if stream and local[0] != 0:
@@ -202,7 +204,7 @@ def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, ma
                     variants: int | None, max_shapes: Mapping[str, Sequence[int]] | None,
                     ragged: Sequence[str] | str | None, deterministic: bool,
                     share: Share | None, stream: bool, stream_seed: int,
-                    split: StreamSplit | None = None) -> tuple[Store, bool]:
+                    split: StreamSplit | None = None, check_finite: bool = False) -> tuple[Store, bool]:
     """Opens the cache, checking that it matches the source (its first sample's layout, and its bytes without a
     fingerprint: before any worker starts), or creates it. Returns it registered as used by this process."""
     dataset = spec()
@@ -217,7 +219,8 @@ def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, ma
 
     request = Request(path, fingerprint, CreateOptions(max_bytes, None, variants, max_shapes, ragged, share, stream,
                                                        split), seed=stream_seed)
-    store, created = open_cache(request, Source(len(dataset), fetch, deterministic=deterministic))
+    store, created = open_cache(request, Source(len(dataset), fetch, checker(check_finite),
+                                                deterministic=deterministic))
     if not store.writable:
         _release(store)
         raise CacheReadOnlyError(f"the cache at {path} is read-only for this process (file permissions or a "
