@@ -110,3 +110,29 @@ def test_fail_fast_stores_what_its_batch_computed_before_the_failure(cache_path:
         # (Past the failing chunk, the worker may have filled the chunks it had been handed ahead: more, not less.)
         assert not ds.is_cached(40) and ds.num_cached >= report.filled == 40
     _each_its_own(cache_path, 40, False)
+
+
+def test_rows_of_a_page_or_more_are_stored_whole_when_pwrite_writes_less_than_asked(cache_path: str,
+                                                                                     monkeypatch) -> None:
+    # pwrite may write fewer bytes than asked (POSIX allows it; a signal or a nearly full file system can cause
+    # it). Every write path must go on from where it stopped: a batch's shuffled rows (one run each), a fill's
+    # consecutive rows (one run of many) and single misses. Here each call writes at most 1000 bytes.
+    real = os.pwrite
+
+    def short(fd: int, data: Any, offset: int) -> int:
+        return real(fd, memoryview(data)[:1000], offset)
+
+    source = ImageLabels(n=96, shape=(3, 40, 40))  # 4,800-byte rows: written with pwrite, not through the map
+    with MmapCachedDataset(cache_path, source) as ds:
+        monkeypatch.setattr(os, "pwrite", short)
+        order = np.random.default_rng(0).permutation(64).tolist()
+        batch = ds.__getitems__(order)  # shuffled misses: a run per row
+        ds.fill(range(64, 90))  # consecutive rows: one run
+        singles = [ds[i] for i in range(90, 96)]  # single misses
+        monkeypatch.undo()
+        assert all(sample_equal(got, source[i]) for got, i in zip(batch, order))
+        assert all(sample_equal(got, source[i]) for got, i in zip(singles, range(90, 96)))
+    with MmapCachedDataset(cache_path) as reader:
+        assert reader.num_cached == 96
+        for i in range(96):
+            assert sample_equal(reader[i], source[i]), i

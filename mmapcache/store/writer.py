@@ -6,7 +6,6 @@ asked to (damage found in a heap's counters or a row's extent is refused before 
 
 from __future__ import annotations
 
-import itertools
 import os
 from typing import Any
 
@@ -82,17 +81,25 @@ class RowWriter:
         run of consecutive rows that are consecutive in the batch too (a fill's or a build's chunk: one call).
         """
         targets = rows[positions]
-        # Runs [starts[j], starts[j + 1]) of rows following each other in the cache and in the batch.
-        breaks = np.flatnonzero((np.diff(targets) != 1) | (np.diff(positions) != 1)) + 1
-        starts = np.concatenate(([0], breaks, [len(targets)])).tolist()
+        runs: tuple[list[int], list[int], list[int]] | None = None  # each run's first position, first row, length
         for data, fd, offset, row_bytes, column in zip(
                 self.data, self.store.data_fds, self.store.data_offsets, self._row_bytes, columns):
             if fd < 0 or data.ndim == 1 or row_bytes < _PAGE_BYTES:
                 data[targets] = column[positions]
                 continue
-            for a, b in itertools.pairwise(starts):
-                k = int(positions[a])
-                _pwrite_all(fd, column[k:k + b - a], offset + int(targets[a]) * row_bytes)
+            if runs is None:
+                # Runs of rows following each other in the cache and in the batch, as plain ints (a cold shuffled
+                # batch is 256 runs of one row: numpy scalars and slices per run would cost more than the copy).
+                firsts = np.concatenate(([0], np.flatnonzero((np.diff(targets) != 1) | (np.diff(positions) != 1))
+                                         + 1))
+                runs = (positions[firsts].tolist(), targets[firsts].tolist(),
+                        np.diff(firsts, append=len(targets)).tolist())
+            flat, pwrite = np.ascontiguousarray(column).reshape(-1).data.cast("B"), os.pwrite
+            for k, row, count in zip(*runs):
+                start, size, at = k * row_bytes, count * row_bytes, offset + row * row_bytes
+                written = pwrite(fd, flat[start:start + size], at)
+                if written != size:  # a short write: the rest
+                    _pwrite_view(fd, flat[start + written:start + size], at + written)
 
     def _write_ragged(self, row: int, values: list[Any], owned: bool) -> None:
         """Finds room for every ragged value of the row (all or nothing), writes them and their index rows, then
@@ -156,7 +163,11 @@ class RowWriter:
 
 def _pwrite_all(fd: int, value: np.ndarray, offset: int) -> None:
     # Flattened first: memoryview refuses to cast a multi-dimensional view with a zero in its shape (0x3 field).
-    view = value.reshape(-1).data.cast("B")
+    _pwrite_view(fd, value.reshape(-1).data.cast("B"), offset)
+
+
+def _pwrite_view(fd: int, view: memoryview, offset: int) -> None:
+    """Writes all of ``view`` at ``offset`` (``pwrite`` may write less than asked)."""
     while view:
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written
