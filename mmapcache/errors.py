@@ -108,7 +108,8 @@ class WorkerStartError(MmapCacheError, RuntimeError):
 
 class SourceError(MmapCacheError, RuntimeError):
     """The source dataset raised where the library, not the caller, asked it for a sample (``build`` opening a
-    cache); the source's exception is chained as ``__cause__``."""
+    cache; the source's exception is chained as ``__cause__``), or returned samples that cannot be stored safely
+    (one output buffer that several DataLoader workers refill at once)."""
 
 
 class StreamTimeoutError(MmapCacheError, TimeoutError):

@@ -378,3 +378,75 @@ def test_check_finite_sees_infinities_in_types_numpy_lacks(cache_path: str) -> N
         with pytest.raises(ValueError, match=r"sample 30, field 'half': contains NaN or infinite"):
             ds[30]
         assert not ds.is_cached(13) and not ds.is_cached(30) and ds.is_cached(12)
+
+
+class SharedBuffer(Dataset):
+    """Writes every sample into one tensor in shared memory and returns it (``mode="refill"``), as a decoder with an
+    output buffer does once torch has moved the dataset's tensors into shared memory for spawned workers (with
+    ``share=True`` the source shares it itself, which fork workers then also all write into); or returns that one
+    tensor, never written, for every sample (``"constant"``); or a buffer of its own per process (``"per_process"``).
+    Each sample's ``x`` is ``i`` in every element (the constant's, 7)."""
+
+    def __init__(self, mode: str, ragged: bool = False, share: bool = False, n: int = 96) -> None:
+        self.mode, self.ragged, self.n = mode, ragged, n
+        self.buf: torch.Tensor | None = None if mode == "per_process" else torch.full((64,), 7.0)
+        if share and self.buf is not None:
+            self.buf.share_memory_()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        if self.buf is None:
+            self.buf = torch.zeros(64)
+        if self.mode != "constant":
+            self.buf.fill_(i)
+            sum(range(3000))  # some decoding, for the other worker to write meanwhile
+        return {"x": self.buf[:5 + i % 7] if self.ragged else self.buf, "i": i}
+
+    def value(self, i: int) -> float:
+        return 7.0 if self.mode == "constant" else float(i)
+
+
+def _through_two_workers(path: str, source: SharedBuffer, context: str, ragged: bool) -> list[dict[str, Any]]:
+    """Every sample of a shuffled epoch through DataLoader(ds, num_workers=2), as a list."""
+    options: dict[str, Any] = {"ragged": ["x"]} if ragged else {}
+    with MmapCachedDataset(path, source, **options) as ds:
+        loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, multiprocessing_context=context,
+                            collate_fn=_as_list)
+        return [sample for batch in loader for sample in batch]
+
+
+def _as_list(samples: list[Any]) -> list[Any]:
+    return samples
+
+
+@pytest.mark.parametrize(("context", "share", "ragged"), [("spawn", False, False), ("fork", True, False),
+                                                          ("fork", True, True)])
+def test_workers_refilling_one_shared_buffer_are_refused_and_nothing_wrong_is_stored(
+        cache_path: str, context: str, share: bool, ragged: bool) -> None:
+    # Two workers writing into one buffer: a sample held another's bytes when it was stored (6 of 200 in one run),
+    # and the cache kept them for good. Each worker now checks, on its first batch, whether its source writes every
+    # sample into one tensor in shared memory (fixed fields: the batch's samples overlap; ragged: computed one at a
+    # time), and refuses, naming the fix.
+    source = SharedBuffer("refill", ragged, share)
+    with pytest.raises(Exception, match=r"(?s)SourceError.*writes every sample into one tensor of its own, and that "
+                                        r"tensor is in shared memory: its 2 DataLoader workers.*per process"):
+        _through_two_workers(cache_path, source, context, ragged)
+    with MmapCachedDataset(cache_path) as reader:
+        stored = [i for i in range(source.n) if reader.is_cached(i)]
+        assert 0 < len(stored) <= 9  # the first sample and the layout's probes, stored at creation in this process
+        assert all(bool((reader[i]["x"] == i).all()) for i in stored)
+
+
+@pytest.mark.parametrize("mode", ["constant", "per_process"])
+def test_a_constant_shared_tensor_or_a_buffer_per_worker_is_cached(cache_path: str, mode: str) -> None:
+    # What the check must let through: one shared tensor that no sample writes into, and a buffer each worker
+    # makes for itself.
+    source = SharedBuffer(mode, share=True)
+    served = _through_two_workers(cache_path, source, "fork", ragged=False)
+    assert sorted(s["i"] for s in served) == list(range(source.n))
+    assert all(bool((s["x"] == source.value(s["i"])).all()) for s in served)
+    with MmapCachedDataset(cache_path) as reader:
+        assert reader.num_cached == source.n
+        assert all(bool((reader[i]["x"] == source.value(i)).all()) for i in range(source.n))

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import CacheFormatError, CacheReadOnlyWarning, CacheRemovedWarning, SampleNotCachedError, warn
-from ..format.batch import FILLED, SHARED
+from ..errors import (
+    CacheFormatError,
+    CacheReadOnlyWarning,
+    CacheRemovedWarning,
+    SampleNotCachedError,
+    SourceError,
+    warn,
+)
+from ..format.batch import FILLED, SHARED, arrays_of, overlaps
 from ..format.fields import Field
 from ..read.reader import RowReader
 from ..store.rows import RowMap
@@ -73,6 +81,10 @@ class Misses:
         # Whether a batch's misses are computed first and checked together (RowReader.fill_batch); off for good
         # once the source is seen to refill one buffer for every sample.
         self.batched = reader.fill_batch is not None and source is not None
+        # Whether two samples computed in a row were compared for one refilled buffer in shared memory
+        # (refuse_shared_refills; once per process and cache), and the refusal, raised again for every batch after.
+        self.refills_checked = False
+        self.refills_refused: str | None = None
 
     def require_source(self, index: int, row: int) -> None:
         """Raises ``SampleNotCachedError`` naming the fix if there is no source to compute sample ``index``."""
@@ -119,6 +131,40 @@ class Misses:
                 self._if_removed(exc, strict=False)
         return reader.sample_from_values(values)
 
+    def refuse_shared_refills(self, indices: list[int], seen: list[Any]) -> None:
+        """Raises ``SourceError`` if this process is one of several DataLoader workers and the source writes every
+        sample into one tensor in shared memory. Once per process and cache, on its first samples computed
+        (``seen``): only if they hold a tensor in shared memory are samples ``indices[0]`` and ``indices[1]``
+        computed again, to see whether the second is written over the first.
+
+        torch moves a dataset's tensors into shared memory when it sends the dataset to spawned workers: a source
+        that decodes each sample into one tensor of its own then has all its workers writing into the same memory
+        at once, and a sample can hold another's bytes by the time it is stored, where the cache would keep them
+        for good. Within one process the cache copies such a source's samples out one at a time (``SHARED``);
+        across processes nothing can. A source returning one constant tensor for every sample writes nothing, and
+        passes."""
+        self.refills_checked = True
+        data = sys.modules.get("torch.utils.data")
+        info = data.get_worker_info() if data is not None else None
+        if info is None or info.num_workers < 2 or not any(map(_shared_tensors, seen)):
+            return
+        first = _shared_tensors(self.fetch(indices[0]))
+        if not first:
+            return
+        before = [_bytes_of(t).clone() for t in first]
+        second = _shared_tensors(self.fetch(indices[1]))
+        import torch
+
+        if overlaps([first, second]) and not all(torch.equal(_bytes_of(t), b) for t, b in zip(first, before)):
+            self.refills_refused = (
+                f"the source dataset of the cache at {self.path} writes every sample into one tensor of its own, "
+                f"and that tensor is in shared memory: its {info.num_workers} DataLoader workers all write into it at "
+                "once (torch moves a dataset's tensors there when it sends the dataset to spawned workers), so a "
+                "sample can hold another's bytes. Nothing computed in this worker is stored. Make the buffer per "
+                "process (create it on first use in __getitem__, or leave it out of __getstate__), or return a new "
+                "tensor for each sample")
+            raise SourceError(self.refills_refused)
+
     def _if_removed(self, exc: CacheFormatError, strict: bool) -> None:
         """``exc`` came from publishing: if the cache was removed or replaced under this process (its writer lock
         then refuses before anything is written), what was computed is served uncached (nobody else could read it),
@@ -158,6 +204,8 @@ class Misses:
         raised; with ``on_error`` (a build), ``on_error(index, exc)`` is told instead and the others are computed
         (it may raise to stop). Rows a full heap could not take are added to ``no_room``. Returns how many rows this
         call stored."""
+        if self.refills_refused is not None:
+            raise SourceError(self.refills_refused)
         reader, keyed, fixed = self.reader, self.rows.keyed, self.reader.fixed
         computed: Computed = []
         stale = reader.state.stale if rewrite_stale else None
@@ -175,12 +223,15 @@ class Misses:
                 if values is None:
                     self.require_source(index, row)
                     try:
-                        values = self.checked(reader, self.fetch(index), index)
+                        sample = self.fetch(index)
+                        values = self.checked(reader, sample, index)
                     except Exception as exc:
                         if on_error is None:
                             raise
                         on_error(index, exc)
                         continue
+                    if not self.refills_checked and len(indices) > 1:
+                        self.refuse_shared_refills(indices[:2], [sample])  # (before this sample is kept)
                     if not fixed:  # kept until the batch is published: not a view of a buffer the source refills
                         values = [v.copy() if type(v) is np.ndarray else v for v in values]
                     if row >= 0:
@@ -229,6 +280,8 @@ class Misses:
         whole = len(todo) == len(idx)
         outcome = fill(samples, columns, None if whole else todo)
         if outcome == SHARED:
+            if not self.refills_checked:
+                self.refuse_shared_refills(idx[todo[:2]].tolist(), samples)
             # The source refills one buffer (whole, or at shifting offsets): the samples fetched before the last may
             # be gone. From now on, each sample is copied out before the next is computed (the per-sample path),
             # starting with these again.
@@ -297,6 +350,18 @@ class Misses:
         except CacheFormatError as exc:
             self._if_removed(exc, strict)
             return 0
+
+
+def _shared_tensors(sample: Any) -> list[Any]:
+    """The tensors of a sample that lie in shared memory."""
+    return [a for a in arrays_of(sample) if hasattr(a, "is_shared") and a.is_shared()]
+
+
+def _bytes_of(tensor: Any) -> Any:
+    """A tensor's elements as flat bytes (compared bit for bit: NaN equals itself)."""
+    import torch
+
+    return tensor.detach().resolve_conj().resolve_neg().reshape(-1).contiguous().view(torch.uint8)
 
 
 def _finite(field: Field, value: Any) -> bool:
