@@ -408,31 +408,34 @@ class SharedBuffer(Dataset):
         return 7.0 if self.mode == "constant" else float(i)
 
 
-def _through_two_workers(path: str, source: SharedBuffer, context: str, ragged: bool) -> list[dict[str, Any]]:
-    """Every sample of a shuffled epoch through DataLoader(ds, num_workers=2), as a list."""
+def _through_two_workers(path: str, source: SharedBuffer, context: str, ragged: bool,
+                         batch_size: int | None = 8) -> list[dict[str, Any]]:
+    """Every sample of a shuffled epoch through DataLoader(ds, num_workers=2), as a list (``batch_size=None``: the
+    workers read ``ds[i]``)."""
     options: dict[str, Any] = {"ragged": ["x"]} if ragged else {}
     with MmapCachedDataset(path, source, **options) as ds:
-        loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, multiprocessing_context=context,
+        loader = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=2, multiprocessing_context=context,
                             collate_fn=_as_list)
-        return [sample for batch in loader for sample in batch]
+        return list(loader) if batch_size is None else [sample for batch in loader for sample in batch]
 
 
 def _as_list(samples: list[Any]) -> list[Any]:
     return samples
 
 
-@pytest.mark.parametrize(("context", "share", "ragged"), [("spawn", False, False), ("fork", True, False),
-                                                          ("fork", True, True)])
+@pytest.mark.parametrize(("context", "share", "ragged", "batch_size"), [
+    ("spawn", False, False, 8), ("fork", True, False, 8), ("fork", True, True, 8), ("fork", True, False, 1),
+    ("fork", True, False, None)])
 def test_workers_refilling_one_shared_buffer_are_refused_and_nothing_wrong_is_stored(
-        cache_path: str, context: str, share: bool, ragged: bool) -> None:
+        cache_path: str, context: str, share: bool, ragged: bool, batch_size: int | None) -> None:
     # Two workers writing into one buffer: a sample held another's bytes when it was stored (6 of 200 in one run),
-    # and the cache kept them for good. Each worker now checks, on its first batch, whether its source writes every
-    # sample into one tensor in shared memory (fixed fields: the batch's samples overlap; ragged: computed one at a
-    # time), and refuses, naming the fix.
+    # and the cache kept them for good. Each worker now checks, on its first miss, whether its source writes every
+    # sample into one tensor in shared memory (batches of fixed fields: the batch's samples overlap; ragged fields,
+    # batches of one and ds[i]: the first sample holds a shared tensor), and refuses, naming the fix.
     source = SharedBuffer("refill", ragged, share)
     with pytest.raises(Exception, match=r"(?s)SourceError.*writes every sample into one tensor of its own, and that "
                                         r"tensor is in shared memory: its 2 DataLoader workers.*per process"):
-        _through_two_workers(cache_path, source, context, ragged)
+        _through_two_workers(cache_path, source, context, ragged, batch_size)
     with MmapCachedDataset(cache_path) as reader:
         stored = [i for i in range(source.n) if reader.is_cached(i)]
         assert 0 < len(stored) <= 9  # the first sample and the layout's probes, stored at creation in this process

@@ -118,6 +118,8 @@ class Misses:
             raise
         if row < 0:
             return sample  # passes through, never stored
+        if not self.refills_checked:
+            self.refuse_shared_refills(self.two([index]), [sample])
         reader = self.reader
         values = reader.check(sample, index) if not self.check_finite else self.checked(reader, sample, index)
         if not self.store.writable:
@@ -143,10 +145,12 @@ class Misses:
         for good. Within one process the cache copies such a source's samples out one at a time (``SHARED``);
         across processes nothing can. A source returning one constant tensor for every sample writes nothing, and
         passes."""
+        if self.refills_refused is not None:
+            raise SourceError(self.refills_refused)
         self.refills_checked = True
         data = sys.modules.get("torch.utils.data")
         info = data.get_worker_info() if data is not None else None
-        if info is None or info.num_workers < 2 or not any(map(_shared_tensors, seen)):
+        if info is None or info.num_workers < 2 or not any(map(_shared_tensors, seen)) or indices[0] == indices[1]:
             return
         first = _shared_tensors(self.fetch(indices[0]))
         if not first:
@@ -163,7 +167,13 @@ class Misses:
                 "sample can hold another's bytes. Nothing computed in this worker is stored. Make the buffer per "
                 "process (create it on first use in __getitem__, or leave it out of __getstate__), or return a new "
                 "tensor for each sample")
+            self.refills_checked = False  # (so that every later miss of this process raises it again)
             raise SourceError(self.refills_refused)
+
+    def two(self, indices: list[int]) -> list[int]:
+        """The first two of ``indices``, or with only one, it and the next sample's index (itself in a cache of one
+        sample: then nothing is compared)."""
+        return indices[:2] if len(indices) > 1 else [indices[0], (indices[0] + 1) % self.store.length]
 
     def _if_removed(self, exc: CacheFormatError, strict: bool) -> None:
         """``exc`` came from publishing: if the cache was removed or replaced under this process (its writer lock
@@ -230,8 +240,8 @@ class Misses:
                             raise
                         on_error(index, exc)
                         continue
-                    if not self.refills_checked and len(indices) > 1:
-                        self.refuse_shared_refills(indices[:2], [sample])  # (before this sample is kept)
+                    if not self.refills_checked:  # (before this sample is kept)
+                        self.refuse_shared_refills(self.two(indices), [sample])
                     if not fixed:  # kept until the batch is published: not a view of a buffer the source refills
                         values = [v.copy() if type(v) is np.ndarray else v for v in values]
                     if row >= 0:
@@ -281,7 +291,7 @@ class Misses:
         outcome = fill(samples, columns, None if whole else todo)
         if outcome == SHARED:
             if not self.refills_checked:
-                self.refuse_shared_refills(idx[todo[:2]].tolist(), samples)
+                self.refuse_shared_refills(self.two(idx[todo[:2]].tolist()), samples)
             # The source refills one buffer (whole, or at shifting offsets): the samples fetched before the last may
             # be gone. From now on, each sample is copied out before the next is computed (the per-sample path),
             # starting with these again.
