@@ -155,11 +155,15 @@ class Misses:
         first = _shared_tensors(self.fetch(indices[0]))
         if not first:
             return
-        before = [_bytes_of(t).clone() for t in first]
+        # Written over: by this process (an in-place write moves the tensor's version counter, which other
+        # processes cannot move back), or its bytes changed (written through numpy, or by another worker).
+        versions, before = [t._version for t in first], [_bytes_of(t).clone() for t in first]
         second = _shared_tensors(self.fetch(indices[1]))
         import torch
 
-        if overlaps([first, second]) and not all(torch.equal(_bytes_of(t), b) for t, b in zip(first, before)):
+        written = [t._version for t in first] != versions or not all(
+            torch.equal(_bytes_of(t), b) for t, b in zip(first, before))
+        if written and overlaps([first, second]):
             self.refills_refused = (
                 f"the source dataset of the cache at {self.path} writes every sample into one tensor of its own, "
                 f"and that tensor is in shared memory: its {info.num_workers} DataLoader workers all write into it at "
