@@ -164,11 +164,13 @@ def test_writer_killed_between_samples_leaves_a_consistent_cache(cache_path: str
 def test_writer_killed_mid_write_leaves_the_row_unfilled_and_fixable(cache_path: str) -> None:
     """Waits until a writer is inside a row's write (its counter is odd), kills it, and checks the row is treated
     as unfilled, is refused to readers without a source, and is repaired by the next fill."""
-    n, mib = 6, 8
+    # 32 MiB rows: a write lasts long enough for the kill to land inside it even on a loaded machine (with 8 MiB,
+    # a fresh-clone run of the suite saw 5 writes in a row end before their kill).
+    n, mib = 6, 32
     source = Big(n, mib)
     ctx = another_process()
     landed = None
-    for _attempt in range(5):
+    for _attempt in range(8):
         proc = ctx.Process(target=big_filler, args=(cache_path, n, mib))
         proc.start()
         deadline = time.monotonic() + 60
@@ -189,7 +191,7 @@ def test_writer_killed_mid_write_leaves_the_row_unfilled_and_fixable(cache_path:
         if len(odd) and after[odd[0]] % 2 == 1:
             landed = int(odd[0])
             break
-    assert landed is not None, "no kill landed inside a write in 5 attempts"
+    assert landed is not None, "no kill landed inside a write in 8 attempts"
     row_bits = np.unpackbits(np.fromfile(os.path.join(cache_path, "filled.bits"), np.uint8), bitorder="little")
     assert _check_consistent(cache_path, source) < n
     with MmapCachedDataset(cache_path) as ds:
