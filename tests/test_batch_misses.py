@@ -387,8 +387,9 @@ class SharedBuffer(Dataset):
     tensor, never written, for every sample (``"constant"``); or a buffer of its own per process (``"per_process"``).
     Each sample's ``x`` is ``i`` in every element (the constant's, 7)."""
 
-    def __init__(self, mode: str, ragged: bool = False, share: bool = False, n: int = 96) -> None:
-        self.mode, self.ragged, self.n = mode, ragged, n
+    def __init__(self, mode: str, ragged: bool = False, share: bool = False, n: int = 96,
+                 odd_fail: bool = False) -> None:
+        self.mode, self.ragged, self.n, self.odd_fail = mode, ragged, n, odd_fail
         self.buf: torch.Tensor | None = None if mode == "per_process" else torch.full((64,), 7.0)
         if share and self.buf is not None:
             self.buf.share_memory_()
@@ -397,6 +398,8 @@ class SharedBuffer(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, object]:
+        if self.odd_fail and i % 2:
+            raise OSError(f"record {i} is unreadable")
         if self.buf is None:
             self.buf = torch.zeros(64)
         if self.mode != "constant":
@@ -453,3 +456,15 @@ def test_a_constant_shared_tensor_or_a_buffer_per_worker_is_cached(cache_path: s
     with MmapCachedDataset(cache_path) as reader:
         assert reader.num_cached == source.n
         assert all(bool((reader[i]["x"] == source.value(i)).all()) for i in range(source.n))
+
+
+def test_the_shared_buffer_check_never_fails_the_sample_asked_for(cache_path: str) -> None:
+    # The check computes the next sample's index too: one the source fails on must not fail the sample asked for
+    # (ds[i] in workers, batch_size=None, over the even indices of a source failing on every odd one).
+    source = SharedBuffer("constant", share=True, odd_fail=True)
+    with MmapCachedDataset(cache_path, source, ragged=None) as ds:
+        loader = DataLoader(ds, batch_size=None, sampler=list(range(0, source.n, 2)), num_workers=2,
+                            multiprocessing_context="fork", collate_fn=_as_list)
+        served = list(loader)
+    assert sorted(s["i"] for s in served) == list(range(0, source.n, 2))
+    assert all(bool((s["x"] == 7.0).all()) for s in served)

@@ -152,13 +152,16 @@ class Misses:
         info = data.get_worker_info() if data is not None else None
         if info is None or info.num_workers < 2 or not any(map(_shared_tensors, seen)) or indices[0] == indices[1]:
             return
-        first = _shared_tensors(self.fetch(indices[0]))
-        if not first:
+        try:  # (a sample that fails here fails again, with its index, when it is asked for)
+            first = _shared_tensors(self.fetch(indices[0]))
+            if not first:
+                return
+            # Written over: by this process (an in-place write moves the tensor's version counter, which other
+            # processes cannot move back), or its bytes changed (written through numpy, or by another worker).
+            versions, before = [t._version for t in first], [_bytes_of(t).clone() for t in first]
+            second = _shared_tensors(self.fetch(indices[1]))
+        except Exception:
             return
-        # Written over: by this process (an in-place write moves the tensor's version counter, which other
-        # processes cannot move back), or its bytes changed (written through numpy, or by another worker).
-        versions, before = [t._version for t in first], [_bytes_of(t).clone() for t in first]
-        second = _shared_tensors(self.fetch(indices[1]))
         import torch
 
         written = [t._version for t in first] != versions or not all(
