@@ -82,7 +82,7 @@ class Misses:
         # once the source is seen to refill one buffer for every sample.
         self.batched = reader.fill_batch is not None and source is not None
         # Whether two samples computed in a row were compared for one refilled buffer in shared memory
-        # (refuse_shared_refills; once per process and cache), and the refusal, raised again for every batch after.
+        # (_refuse_shared_refills; once per process and cache), and the refusal, raised again for every batch after.
         self.refills_checked = False
         self.refills_refused: str | None = None
 
@@ -119,7 +119,7 @@ class Misses:
         if row < 0:
             return sample  # passes through, never stored
         if not self.refills_checked:
-            self.refuse_shared_refills(self.two([index]), [sample])
+            self._refuse_shared_refills([index], [sample])
         reader = self.reader
         values = reader.check(sample, index) if not self.check_finite else self.checked(reader, sample, index)
         if not self.store.writable:
@@ -133,11 +133,11 @@ class Misses:
                 self._if_removed(exc, strict=False)
         return reader.sample_from_values(values)
 
-    def refuse_shared_refills(self, indices: list[int], seen: list[Any]) -> None:
+    def _refuse_shared_refills(self, indices: list[int], seen: list[Any]) -> None:
         """Raises ``SourceError`` if this process is one of several DataLoader workers and the source writes every
         sample into one tensor in shared memory. Once per process and cache, on its first samples computed
-        (``seen``): only if they hold a tensor in shared memory are samples ``indices[0]`` and ``indices[1]``
-        computed again, to see whether the second is written over the first.
+        (``seen``): only if they hold a tensor in shared memory are the first two of ``indices`` (with only one,
+        it and the next index) computed again, to see whether the second is written over the first.
 
         torch moves a dataset's tensors into shared memory when it sends the dataset to spawned workers: a source
         that decodes each sample into one tensor of its own then has all its workers writing into the same memory
@@ -150,16 +150,17 @@ class Misses:
         self.refills_checked = True
         data = sys.modules.get("torch.utils.data")
         info = data.get_worker_info() if data is not None else None
-        if info is None or info.num_workers < 2 or not any(map(_shared_tensors, seen)) or indices[0] == indices[1]:
+        pair = indices[:2] if len(indices) > 1 else [indices[0], (indices[0] + 1) % self.store.length]
+        if info is None or info.num_workers < 2 or not any(map(_shared_tensors, seen)) or pair[0] == pair[1]:
             return
         try:  # (a sample that fails here fails again, with its index, when it is asked for)
-            first = _shared_tensors(self.fetch(indices[0]))
+            first = _shared_tensors(self.fetch(pair[0]))
             if not first:
                 return
             # Written over: by this process (an in-place write moves the tensor's version counter, which other
             # processes cannot move back), or its bytes changed (written through numpy, or by another worker).
             versions, before = [t._version for t in first], [_bytes_of(t).clone() for t in first]
-            second = _shared_tensors(self.fetch(indices[1]))
+            second = _shared_tensors(self.fetch(pair[1]))
         except Exception:
             return
         import torch
@@ -176,11 +177,6 @@ class Misses:
                 "tensor for each sample")
             self.refills_checked = False  # (so that every later miss of this process raises it again)
             raise SourceError(self.refills_refused)
-
-    def two(self, indices: list[int]) -> list[int]:
-        """The first two of ``indices``, or with only one, it and the next sample's index (itself in a cache of one
-        sample: then nothing is compared)."""
-        return indices[:2] if len(indices) > 1 else [indices[0], (indices[0] + 1) % self.store.length]
 
     def _if_removed(self, exc: CacheFormatError, strict: bool) -> None:
         """``exc`` came from publishing: if the cache was removed or replaced under this process (its writer lock
@@ -248,7 +244,7 @@ class Misses:
                         on_error(index, exc)
                         continue
                     if not self.refills_checked:  # (before this sample is kept)
-                        self.refuse_shared_refills(self.two(indices), [sample])
+                        self._refuse_shared_refills(indices, [sample])
                     if not fixed:  # kept until the batch is published: not a view of a buffer the source refills
                         values = [v.copy() if type(v) is np.ndarray else v for v in values]
                     if row >= 0:
@@ -298,7 +294,7 @@ class Misses:
         outcome = fill(samples, columns, None if whole else todo)
         if outcome == SHARED:
             if not self.refills_checked:
-                self.refuse_shared_refills(self.two(idx[todo[:2]].tolist()), samples)
+                self._refuse_shared_refills(idx[todo[:2]].tolist(), samples)
             # The source refills one buffer (whole, or at shifting offsets): the samples fetched before the last may
             # be gone. From now on, each sample is copied out before the next is computed (the per-sample path),
             # starting with these again.
