@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from helpers.processes import join_all, kill_alive, running
-from helpers.stream_sources import Fresh, Growing, Refills, intact
+from helpers.stream_sources import Augmented, Fresh, Growing, Refills, intact
 from mmapcache import (
     CacheInUseError,
     CacheMismatchError,
@@ -78,6 +78,21 @@ def test_every_epoch_serves_its_permutation_once_and_fresh(cache_path: str) -> N
     assert stats["served"] + stats["computed"] == 3 * N and stats["served"] > 0
     assert stats["produced"] >= stats["served"] and stats["producers"] == []
     ds.close()
+
+
+def test_forked_producers_draw_augmentations_of_their_own(cache_path: str) -> None:
+    # A forked producer inherits its parent's numpy and torch generators: each is seeded as DataLoader seeds its
+    # workers, or the stream serves copies of one augmentation as different samples (before: 23 of the 80 values
+    # served in two epochs of 40, with two producers, were drawn twice).
+    torch.manual_seed(0)
+    with MmapCachedDataset(cache_path, Augmented(40), stream=True, seed=3) as ds, ds.produce(workers=2):
+        _wait_for(lambda: ds.stream_stats["ahead"] > 0)
+        batches = [batch for _ in range(2) for batch in ds.loader(batch_size=8)]
+        stats = ds.stream_stats
+    assert stats["served"] > 0  # producers computed some of them (the reader, the others)
+    for generator in ("torch", "numpy", "python"):
+        drawn = torch.cat([batch[generator] for batch in batches]).reshape(80, -1)
+        assert len({tuple(row.tolist()) for row in drawn}) == 80, f"{generator}: an augmentation was drawn twice"
 
 
 def test_without_a_producer_the_reader_computes_everything(cache_path: str) -> None:

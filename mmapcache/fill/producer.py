@@ -178,10 +178,33 @@ def _next_run(slots: int, seconds_each: float) -> int:
     return max(1, min(_RUN_MAX, slots // 16, int(_RUN_SECONDS / max(seconds_each, 1e-9))))
 
 
-def _run(path: str, make_source: Callable[[], Any], stop: Any, parent: int, check_finite: bool) -> None:
+def _run(path: str, make_source: Callable[[], Any], stop: Any, parent: int, check_finite: bool, seed: int) -> None:
     die_with_parent(parent)  # a producer whose starter was killed must not produce for nobody, forever
+    reseed(seed)
     with contextlib.suppress(KeyboardInterrupt):
         produce(path, make_source, stop, check_finite)
+
+
+def draw_seed() -> int:
+    """A seed for a new producer process, drawn from this process's torch generator, as ``DataLoader`` draws its
+    workers' base seed (a job that calls ``torch.manual_seed`` draws the same ones)."""
+    import torch
+
+    return int(torch.empty((), dtype=torch.int64).random_().item())
+
+
+def reseed(seed: int) -> None:
+    """Seeds Python's, numpy's and torch's global generators in a producer process, as ``DataLoader`` does in its
+    workers. A forked process inherits its parent's numpy and torch generators: without this, every producer (and
+    the process that started them) drew the same random augmentations, and a stream served copies of one
+    augmentation as different samples. (Spawned producers are seeded the same way.)"""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
 
 
 class StopFlag:
@@ -213,7 +236,7 @@ class Producer:
 
     def _new(self, k: int) -> Any:
         process = self._context.Process(target=_run, args=(self.path, self._make_source, self._stop, os.getpid(),
-                                                           self._check_finite),
+                                                           self._check_finite, draw_seed()),
                                         daemon=True, name=f"mmapcache-producer-{k}")
         process.start()
         return process

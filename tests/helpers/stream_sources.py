@@ -71,3 +71,20 @@ class Refills(Dataset):
 def intact(batch: dict[str, Any]) -> bool:
     """Every sample of a collated batch is one computation (``x`` holds its token)."""
     return bool((batch["x"] == batch["token"][:, None]).all())
+
+
+class Augmented(Dataset):
+    """An augmentation drawn from the global generators, as most pipelines draw it (``torch.rand``, numpy's
+    ``np.random``, Python's ``random``): ``{"torch": (4,), "numpy": (4,), "python": (1,), "i": index}``."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        import random
+
+        return {"torch": torch.rand(4, dtype=torch.float64), "numpy": torch.from_numpy(np.random.rand(4)),
+                "python": torch.tensor([random.random()], dtype=torch.float64), "i": index}
