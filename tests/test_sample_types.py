@@ -150,17 +150,21 @@ def test_pad_collate_fields_are_checked(cache_path: str) -> None:
             ds.loader(batch_size=2, collate_fn=PadCollate(0, fields=["nope"]))
 
 
-def test_lists_of_one_length_batch_as_default_collate_makes_them(cache_path: str) -> None:
-    """1-D lists are always stored ragged; a batch whose lists share a length is transposed as default_collate
-    does (embeddings, flags), one of different lengths is a list of lists."""
-    rows = [{"emb": [float(i), 0.5, -1.0], "ids": list(range(i % 3 + 1)), "label": i} for i in range(8)]
+def test_a_list_of_numbers_is_a_list_of_its_values_in_every_batch(cache_path: str) -> None:
+    """1-D lists are always stored ragged, and ``ds.loader`` batches them as a list of the samples' lists, whatever
+    their lengths in the batch. ``default_collate`` transposes lists of one length (a list of L tensors of B
+    numbers): for token ids, a batch of one sample, or of lengths equal by chance, would change the batch's
+    structure silently (a loop over ``batch["ids"]`` taking each token for a sample)."""
+    rows = [{"emb": [float(i), 0.5, -1.0], "ids": list(range(i % 3 + 1)), "label": i} for i in range(9)]
     with MmapCachedDataset(cache_path, rows) as ds:
         for _ in range(2):  # misses, then hits
-            fast = next(iter(ds.loader(batch_size=4)))
-            plain = next(iter(DataLoader(ds, batch_size=4, collate_fn=lambda b: torch.utils.data.default_collate(
-                [{"emb": s["emb"], "label": s["label"]} for s in b]))))
-            assert len(fast["emb"]) == 3 and all(torch.equal(a, b) for a, b in zip(fast["emb"], plain["emb"]))
-            assert fast["ids"] == [rows[i]["ids"] for i in range(4)]
+            for size in (1, 3, 4):  # (3: each batch's ids 1, 2 and 3 long; 4: a last batch of one sample)
+                batches = list(ds.loader(batch_size=size))
+                got = [(batch["emb"], batch["ids"], batch["label"].tolist()) for batch in batches]
+                starts = range(0, 9, size)
+                assert got == [([rows[i]["emb"] for i in range(k, min(k + size, 9))],
+                                [rows[i]["ids"] for i in range(k, min(k + size, 9))],
+                                list(range(k, min(k + size, 9)))) for k in starts], size
 
 
 def test_any_str_comes_back_exactly_lone_surrogates_included(cache_path: str) -> None:

@@ -21,16 +21,8 @@ from ..format.codec import leaf_converter
 from ..format.layout import BYTES, STR, TENSOR, TEXT_ERRORS, TEXT_KINDS, Field
 from ..store.heap import Heap
 
-__all__ = ["RaggedColumn", "Torn", "gather_ragged", "one_length", "ragged_reader", "ragged_splitter", "str_reader",
+__all__ = ["RaggedColumn", "Torn", "gather_ragged", "ragged_reader", "ragged_splitter", "str_reader",
            "torch_target"]
-
-
-def one_length(column: RaggedColumn) -> bool:
-    """Whether every value of a batch of 1-D values has the same length (misses included)."""
-    lengths = column.counts.tolist()
-    for position, value in column.patches.items():
-        lengths[position] = value.size
-    return bool(lengths) and lengths.count(lengths[0]) == len(lengths)
 
 
 def _words(index: np.ndarray) -> memoryview:

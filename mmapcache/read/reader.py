@@ -45,7 +45,6 @@ from .gather import take
 from .ragged import (
     Torn,
     gather_ragged,
-    one_length,
     ragged_reader,
     ragged_splitter,
     str_reader,
@@ -311,8 +310,10 @@ class RowReader:
 
     def collate(self, columns: list[Any], pad: Any = None) -> Any:
         """The batch as ``default_collate`` would build it, from gathered columns (no extra copy). A ragged field
-        becomes a list of its values, or with ``pad`` (a ``PadCollate``) a ``Padded`` batch; a list of numbers
-        (always ragged) whose values in this batch have one length is transposed as ``default_collate`` does."""
+        becomes a list of its values, or with ``pad`` (a ``PadCollate``) a ``Padded`` batch. So does a 1-D list of
+        numbers (always ragged), in every batch: ``default_collate`` transposes a batch of lists of one length (a
+        list of L tensors of B numbers), and such a batch of token ids (every batch of one sample, or lengths equal
+        by chance) would change its structure from one batch to the next."""
         leaves = []
         for field, convert, split, column in zip(self.fields, self._batch_converters, self._splitters, columns):
             if not field.ragged:
@@ -322,9 +323,6 @@ class RowReader:
             elif pad is not None and field.kind not in TEXT_KINDS and (
                     pad.fields is None or field.name in pad.fields):
                 leaves.append(pad.pad(*column.merged(), torch_target(field)))
-            elif field.kind == PYLIST and len(field.shape) == 1 and one_length(column):
-                flat, counts, _ = column.merged()
-                leaves.append(convert(flat.reshape(len(counts), -1)))
             else:
                 leaves.append(split(column))
         return self.build_batch(leaves)
