@@ -3,6 +3,7 @@ concurrent fillers, and writers SIGKILLed mid-fill and mid-write."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import random
@@ -15,12 +16,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import mmapcache
 from helpers.core_workers import (
     Big,
+    RaggedBig,
     Small,
     big_filler,
     concurrent_filler,
     interleaved_filler,
+    ragged_batch_filler,
     read_all_by_path,
     slow_filler,
 )
@@ -231,6 +235,49 @@ def test_writers_killed_at_random_moments_never_leave_a_wrong_sample(cache_path:
     # A kill during creation leaves a temporary directory; the next creation in the same parent sweeps it.
     MmapCachedDataset(os.path.join(os.path.dirname(cache_path), "next"), ImageLabels(2)).close()
     assert not [name for name in os.listdir(os.path.dirname(cache_path)) if name.startswith(".")]
+
+
+def test_a_writer_killed_inside_a_batch_of_ragged_values_leaves_its_rows_unfilled(cache_path: str) -> None:
+    """A batch's ragged values are written together (``RowWriter.write_new_rows``) while all its rows' counters are
+    odd. Kills the writer in that window: its rows read as unfilled (the bytes it had written, and its heap room,
+    are lost, never served), every other row is right, and the next writer stores them all with no byte of a heap
+    shared by two rows."""
+    n = 48
+    source = RaggedBig(n)
+    ctx = another_process()
+    landed: list[int] = []
+    for _attempt in range(8):
+        proc = ctx.Process(target=ragged_batch_filler, args=(cache_path, n))
+        proc.start()
+        deadline, odd, seq = time.monotonic() + 60, np.zeros(0, np.int64), None
+        while time.monotonic() < deadline and proc.is_alive():
+            if seq is None and os.path.exists(os.path.join(cache_path, "meta.json")):
+                seq = np.memmap(os.path.join(cache_path, "seq.u32"), dtype="<u4", mode="r")
+            if seq is not None:
+                odd = np.flatnonzero(seq & 1)
+                if len(odd) > 1:  # inside a batch's write (a single row is a probe's)
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+        proc.join(timeout=30)
+        kill_alive([proc])
+        del seq
+        after = _seq(cache_path)
+        landed = [int(row) for row in odd if after[row] % 2 == 1]
+        if len(landed) > 1:
+            break
+    assert len(landed) > 1, "no kill landed inside a batch's write in 8 attempts"
+    assert _check_consistent(cache_path, source) <= n - len(landed)
+    with MmapCachedDataset(cache_path) as ds:
+        assert not any(ds.is_cached(row) for row in landed)  # (rows are indices: no node share, no stream)
+    with MmapCachedDataset(cache_path, source, ragged=["blob"]) as ds:
+        ds.fill()
+        assert ds.num_cached == n
+        store = ds._store
+        for field in (k for k, f in enumerate(store.layout.fields) if f.ragged):
+            extents = sorted((int(a), int(b)) for a, b in store.index[field][:, :2] if b)  # type: ignore[index]
+            assert all(a + size <= b for (a, size), (b, _) in itertools.pairwise(extents)), "a byte of two rows"
+    assert _check_consistent(cache_path, source) == n
+    assert not mmapcache.verify(cache_path).problems
 
 
 def test_fork_child_uses_the_parents_open_cache(cache_path: str) -> None:

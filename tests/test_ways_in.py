@@ -11,11 +11,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from torch.utils.data import Dataset
 
 import mmapcache
 from helpers.sources import ImageLabels, sample_equal
-from mmapcache import MmapCachedDataset
+from mmapcache import MmapCachedDataset, UncachedFieldWarning
+from mmapcache.store.state import Declined
+from mmapcache.store.writer import RowWriter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -136,3 +139,100 @@ def test_rows_of_a_page_or_more_are_stored_whole_when_pwrite_writes_less_than_as
         assert reader.num_cached == 96
         for i in range(96):
             assert sample_equal(reader[i], source[i]), i
+
+
+class Captions(Dataset):
+    """Ragged values of three item sizes (text as UTF-8 bytes, int16 and int64 tensors), empty ones among them, and
+    a fixed label."""
+
+    def __init__(self, n: int = 300) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"text": "é" * (i % 7) + "x" * (i % 5), "ids": torch.arange(i % 11, dtype=torch.int64) * i,
+                "pcm": torch.full((3 * (i % 4),), -i, dtype=torch.int16), "label": i}
+
+
+def _heaps(ds: MmapCachedDataset) -> list[tuple[list[int], np.ndarray, bytes]]:
+    """Per ragged field: its counters (end, abandoned, uncached, free), its index and its heap's used bytes."""
+    store, out = ds._store, []
+    for number, n in enumerate(n for n, f in enumerate(store.layout.fields) if f.ragged):
+        end, _, abandoned, uncached, free = (int(x) for x in store.heap_counters[number][:5])
+        heap = store.heaps[n]
+        out.append(([end, abandoned, uncached, free], np.array(store.index[n]), heap.covering(end)[:end].tobytes()))
+    return out
+
+
+def test_a_batch_of_ragged_values_is_stored_where_one_row_at_a_time_would_store_it(shm_dir: str,
+                                                                                     monkeypatch) -> None:
+    # A batch's ragged values are packed at the heaps' ends together (RowWriter.write_new_rows, one pwritev per
+    # field). Two caches get the same batches (shuffled, one with an index twice, a fill of the rest), one of them
+    # stored one row at a time: their heaps, index rows and counters must be identical, byte for byte.
+    source = Captions(300)
+    rng = np.random.default_rng(0)
+    batches = [[*rng.permutation(150)[:64].tolist(), 7, 7], rng.permutation(200)[:100].tolist()]
+    stored_at_once = []
+    real = RowWriter.write_new_rows
+
+    def spy(self: RowWriter, rows: list[int], samples: list[list[Any]]) -> None:
+        real(self, rows, samples)
+        stored_at_once.append(len(rows))
+
+    def one_at_a_time(self: RowWriter, rows: list[int], samples: list[list[Any]]) -> None:
+        raise Declined
+
+    heaps = []
+    for name, write in (("at-once", spy), ("one-at-a-time", one_at_a_time)):
+        monkeypatch.setattr(RowWriter, "write_new_rows", write)
+        with MmapCachedDataset(os.path.join(shm_dir, name), source, ragged=["text", "ids", "pcm"]) as ds:
+            got = [ds.__getitems__(batch) for batch in batches]
+            ds.fill()
+            assert all(sample_equal(s, source[i]) for b, batch in zip(got, batches) for s, i in zip(b, batch))
+            heaps.append(_heaps(ds))
+        monkeypatch.undo()
+        with MmapCachedDataset(os.path.join(shm_dir, name)) as reader:
+            assert reader.num_cached == 300 and all(sample_equal(reader[i], source[i]) for i in range(300))
+    assert sum(stored_at_once) >= 290 and max(stored_at_once) > 60  # the path under test was taken
+    for (counters, index, data), (counters1, index1, data1) in zip(*heaps):
+        assert counters == counters1 and counters[1:] == [0, 0, 0]  # no padding, nothing uncached, nothing free
+        assert np.array_equal(index, index1) and data == data1
+
+
+def test_ragged_batches_are_stored_whole_when_pwritev_writes_less_than_asked(cache_path: str, monkeypatch) -> None:
+    # pwritev may write fewer bytes than asked, ending inside any of its buffers: the rest of that one follows,
+    # then the others whole. Here each call writes at most 333 bytes.
+    real = os.pwritev
+
+    def short(fd: int, buffers: list[Any], offset: int) -> int:
+        data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)[:333]
+        return real(fd, [data], offset)
+
+    source = Captions(200)
+    with MmapCachedDataset(cache_path, source, ragged=["text", "ids", "pcm"]) as ds:
+        monkeypatch.setattr(os, "pwritev", short)
+        batch = ds.__getitems__(list(range(100, 0, -1)))
+        ds.fill()
+        monkeypatch.undo()
+        assert all(sample_equal(got, source[i]) for got, i in zip(batch, range(100, 0, -1)))
+    with MmapCachedDataset(cache_path) as reader:
+        assert reader.num_cached == 200 and all(sample_equal(reader[i], source[i]) for i in range(200))
+
+
+def test_a_ragged_batch_the_heap_budget_cannot_take_whole_stores_what_fits(cache_path: str) -> None:
+    # A batch whose values need more room than the budget has left is stored one row at a time (write_new_rows
+    # declines before any heap grows): the values that fit are stored, the others served uncached and counted.
+    # The largest values first: the cacheable rows, planned from the mean size of a few probes, do not all fit.
+    source = [{"ids": torch.full((800 - 2 * i,), i, dtype=torch.int64)} for i in range(256)]
+    with pytest.warns(UncachedFieldWarning):
+        ds = MmapCachedDataset(cache_path, source, ragged=["ids"], max_bytes="300K")
+        probed = ds.num_cached  # (the layout's probes)
+        got = ds.__getitems__(list(range(ds.num_cacheable)))
+    assert all(sample_equal(g, source[i]) for i, g in enumerate(got))
+    uncached = int(ds._store.heap_counters[0][3])
+    assert probed < ds.num_cached < ds.num_cacheable and ds.num_cached + uncached == ds.num_cacheable
+    assert all(sample_equal(ds[i], source[i]) for i in range(256))
+    ds.close()
+    assert sum(os.path.getsize(os.path.join(cache_path, f)) for f in os.listdir(cache_path)) <= 300_000 + 64_000

@@ -64,6 +64,8 @@ _MIN_GROWTH = 1 << 14
 _PAGE = 4096
 # How many classes above the one that fits a value ``reuse`` looks in (each is 12.5% larger than the one below).
 _SEARCH = 5
+# Buffers per pwritev call: the kernel's limit (UIO_MAXIOV, 1024 on Linux).
+_IOV_MAX = 1024
 
 
 def size_class(nbytes: int) -> int:
@@ -179,23 +181,31 @@ class Heap:
         c = self.counters
         end = int(c[END])
         offset = -(-end // align) * align
-        need = offset + size
-        capacity = int(c[CAPACITY])
-        if need > capacity:
-            grown = max(need, capacity + max(_MIN_GROWTH, capacity // 16))
-            grown = -(-grown // _PAGE) * _PAGE
-            if budget_left is not None:
-                # Under a budget that the ragged fields share, grow past what the value needs by at most half of
-                # what is left: a step of one field must not take the room of the others' next values.
-                grown = min(grown, max(need, capacity + budget_left // 2))
-                if grown - capacity > budget_left:
-                    return None
-            if not self._reserve(grown):
-                return None
-            c[CAPACITY] = grown
-        c[END] = need
+        if not self.reserve(offset + size, budget_left):
+            return None
+        c[END] = offset + size
         c[ABANDONED] += offset - end  # alignment padding
         return offset, size
+
+    def reserve(self, need: int, budget_left: int | None) -> bool:
+        """Grows the file, if it must, so that its first ``need`` bytes are reserved (``CAPACITY``); False when the
+        file system or the heaps' budget has no room. Caller holds the writer lock."""
+        c = self.counters
+        capacity = int(c[CAPACITY])
+        if need <= capacity:
+            return True
+        grown = max(need, capacity + max(_MIN_GROWTH, capacity // 16))
+        grown = -(-grown // _PAGE) * _PAGE
+        if budget_left is not None:
+            # Under a budget that the ragged fields share, grow past what the value needs by at most half of
+            # what is left: a step of one field must not take the room of the others' next values.
+            grown = min(grown, max(need, capacity + budget_left // 2))
+            if grown - capacity > budget_left:
+                return False
+        if not self._reserve(grown):
+            return False
+        c[CAPACITY] = grown
+        return True
 
     def reuse(self, nbytes: int, align: int) -> tuple[int, int] | None:
         """Room for ``nbytes`` from the free lists only (never growing the heap): ``(offset, capacity)``, or None.
@@ -283,8 +293,23 @@ class Heap:
         """Copies a value's bytes to ``offset`` with ``pwrite`` (the kernel copies into the shared pages)."""
         self._pwrite(offset, np.ascontiguousarray(value))
 
+    def write_packed(self, offset: int, values: list[np.ndarray]) -> None:
+        """Copies C-contiguous values' bytes back to back from ``offset``: one ``pwritev`` for up to ``IOV_MAX`` of
+        them (a short write is finished one value at a time)."""
+        values = [v for v in values if v.nbytes]
+        for first in range(0, len(values), _IOV_MAX):
+            group = values[first:first + _IOV_MAX]
+            written = os.pwritev(self.fd, group, offset)  # type: ignore[arg-type]  # (arrays are buffers)
+            for value in group:
+                if written < value.nbytes:  # a short write: the rest of this value, then the others whole
+                    self._pwrite_view(offset + written, value.reshape(-1).view(np.uint8).data[written:])
+                written = max(0, written - value.nbytes)
+                offset += value.nbytes
+
     def _pwrite(self, offset: int, value: np.ndarray) -> None:
-        view = value.reshape(-1).view(np.uint8).data
+        self._pwrite_view(offset, value.reshape(-1).view(np.uint8).data)
+
+    def _pwrite_view(self, offset: int, view: memoryview) -> None:
         while view:
             written = os.pwrite(self.fd, view, offset)
             view, offset = view[written:], offset + written

@@ -41,6 +41,12 @@ class NoRoom(Exception):
     value (the sample is served uncached)."""
 
 
+class Declined(Exception):
+    """Raised by a batch's ``write`` before it writes anything, and then by ``publish_rows``: the batch cannot be
+    stored at once as its rows would be one at a time (``RowWriter.write_new_rows``); nothing was changed, and the
+    caller publishes the rows one by one (``publish_many``)."""
+
+
 def bitmap_bytes(rows: int) -> int:
     return (rows + 7) // 8
 
@@ -229,13 +235,18 @@ class SlotState:
         return stored
 
     def publish_rows(self, rows: np.ndarray, keys: np.ndarray, write: Callable[[np.ndarray], None],
-                     wanted: Callable[[np.ndarray], np.ndarray] | None = None) -> int:
+                     wanted: Callable[[np.ndarray], np.ndarray] | None = None, *, new_only: bool = False) -> int:
         """``publish`` for many distinct rows at once, each step vectorised (a batch's misses): under one lock,
         the rows still to store (not complete, or holding another key) get odd counters, ``write(positions)``
-        writes the rows ``rows[positions]`` (fixed-size fields only: nothing can run out of room), then keys,
-        even counters and bits are set for all of them. ``wanted(keys)``, if given, is asked under the lock first:
-        rows where it is False are left alone (a stream's positions its readers have passed). Returns how many
-        were stored. Safe across processes and threads."""
+        writes the rows ``rows[positions]``, then keys, even counters and bits are set for all of them.
+        ``wanted(keys)``, if given, is asked under the lock first: rows where it is False are left alone (a
+        stream's positions its readers have passed). Returns how many were stored. Safe across processes and
+        threads.
+
+        ``write`` may refuse before it writes anything, by raising ``Declined``, ``NoRoom`` or ``CacheFormatError``:
+        the rows are then left as they were, and the exception propagates. With ``new_only`` (ragged values
+        packed at the heaps' ends: ``RowWriter.write_new_rows``), ``Declined`` is also raised if a row to store
+        owns heap extents (see ``publish``), which ``write`` would have to reuse or free."""
         self._require_writable()
         with self.lock:
             self._begin_change_locked()
@@ -250,8 +261,14 @@ class SlotState:
                 if not len(todo):
                     return 0
                 rows, seq, bits, byte = rows[todo], seq[todo], bits[todo], byte[todo]
+                if new_only and np.any((seq & 1 == 0) & (seq != 0)):
+                    raise Declined
                 self.seq_np[rows] = seq | 1
-                write(candidates[todo])
+                try:
+                    write(candidates[todo])
+                except (Declined, NoRoom, CacheFormatError):
+                    self.seq_np[rows] = seq  # refused before anything was written: the rows stay what they were
+                    raise
                 self.keys_np[rows] = keys[todo]
                 even = (seq | 1) + np.uint32(1)
                 self.seq_np[rows] = np.where(even == 0, np.uint32(2), even)  # 0 means "never written"

@@ -13,8 +13,8 @@ import numpy as np
 
 from ..errors import UncachedFieldWarning, warn
 from ..format.fields import Field
-from .heap import UNCACHED, Heap, budget_left
-from .state import NoRoom
+from .heap import ABANDONED, CAPACITY, END, FREE, UNCACHED, Heap, budget_left
+from .state import Declined, NoRoom
 from .store import Store
 
 __all__ = ["RowWriter"]
@@ -60,6 +60,10 @@ class RowWriter:
             return
         if self.ragged:
             self._write_ragged(row, values, owned)
+        self._write_fixed(row, values)
+
+    def _write_fixed(self, row: int, values: list[Any]) -> None:
+        """The fixed and ``max_shapes`` fields of one row (ragged ones are skipped)."""
         for data, shapes, fd, offset, row_bytes, value in zip(
             self.data, self.shapes, self.store.data_fds, self.store.data_offsets, self._row_bytes, values
         ):
@@ -100,6 +104,51 @@ class RowWriter:
                 written = pwrite(fd, flat[start:start + size], at)
                 if written != size:  # a short write: the rest
                     _pwrite_view(fd, flat[start + written:start + size], at + written)
+
+    def write_new_rows(self, rows: list[int], samples: list[list[Any]]) -> None:
+        """Copies a batch of checked samples' values into ``rows``, none of which owns heap extents (see ``write``):
+        each ragged field's values packed back to back at its heap's end with one ``pwritev``, and their index rows
+        set at once. Those are the offsets ``write`` gives them one row at a time (a row's first value gets an extent
+        of its own size at the end of the heap). Where ``write`` would do otherwise, ``Declined`` is raised before
+        anything is written: a heap has free extents (``write`` reuses them), or there is no room for the whole
+        batch (``write`` stores the values that fit); and ``CacheFormatError`` for a heap whose counters are
+        damaged. The caller holds the writer lock (``SlotState.publish_rows``)."""
+        store = self.store
+        plans: list[tuple[int, Heap, int, list[np.ndarray], np.ndarray]] = []
+        for n in self.ragged:
+            heap, index = store.heaps[n], store.index[n]
+            assert heap is not None and index is not None  # a ragged field has both (see Store)
+            heap.check_counters()
+            if int(heap.counters[FREE]):
+                raise Declined
+            values = [np.ascontiguousarray(sample[n]) for sample in samples]
+            itemsize = values[0].itemsize if values else 1
+            if any(v.itemsize != itemsize for v in values):
+                raise Declined
+            sizes = np.fromiter((v.nbytes for v in values), np.int64, len(values))
+            start = -(-int(heap.counters[END]) // itemsize) * itemsize  # every value a multiple: all stay aligned
+            entries = np.empty((len(values), index.shape[1]), np.int64)
+            entries[:, 0] = np.where(sizes > 0, start + np.cumsum(sizes) - sizes, 0)  # (an empty value: 0, 0)
+            entries[:, 1] = sizes
+            entries[:, 2:] = np.array([v.shape for v in values], np.int64).reshape(len(values), -1)
+            plans.append((n, heap, start, values, entries))
+        budget = budget_left(store.heap_counters, store.heap_budget)
+        if budget is not None and sum(max(0, start + int(entries[:, 1].sum()) - int(heap.counters[CAPACITY]))
+                                      for _, heap, start, _, entries in plans) > budget:
+            raise Declined  # (before any heap grows: one at a time, the fields would share what is left)
+        for _, heap, start, _, entries in plans:
+            if not heap.reserve(start + int(entries[:, 1].sum()), budget_left(store.heap_counters,
+                                                                               store.heap_budget)):
+                raise Declined
+        for n, heap, start, values, entries in plans:
+            total, c = int(entries[:, 1].sum()), heap.counters
+            if total:
+                c[ABANDONED] += start - int(c[END])  # alignment padding
+                c[END] = start + total
+            heap.write_packed(start, values)
+            store.index[n][rows] = entries  # type: ignore[index]
+        for row, values in zip(rows, samples):
+            self._write_fixed(row, values)
 
     def _write_ragged(self, row: int, values: list[Any], owned: bool) -> None:
         """Finds room for every ragged value of the row (all or nothing), writes them and their index rows, then

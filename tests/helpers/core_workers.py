@@ -223,6 +223,32 @@ def big_filler(path: str, n: int, mib: int) -> None:
             ds[i]
 
 
+class RaggedBig(Dataset):
+    """Ragged values of 0.25-2 MiB (seeded per index), a text and an int: a batch of them takes long enough to
+    write for a kill to land inside it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        g = torch.Generator().manual_seed(index)
+        blob = torch.randint(0, 256, ((1 + index % 8) << 18,), dtype=torch.uint8, generator=g)
+        return {"blob": blob, "name": f"sample {index} " * (index % 4), "i": index}
+
+
+def ragged_batch_filler(path: str, n: int) -> None:
+    """Stores ``RaggedBig(n)`` in shuffled batches of 8 (``__getitems__``: ``DataLoader(ds)``'s path, its ragged
+    values written a batch at once), until killed."""
+    order = list(range(n))
+    random.Random(os.getpid()).shuffle(order)
+    with MmapCachedDataset(path, RaggedBig(n), ragged=["blob"]) as ds:
+        for k in range(0, n, 8):
+            ds.__getitems__(order[k:k + 8])
+
+
 class Small(Dataset):
     """Tiny samples, so that thousands of rows share few bitmap bytes and writers contend on each byte."""
 
