@@ -119,3 +119,23 @@ def test_a_lower_case_b_is_refused_when_creating_a_cache(cache_path: str) -> Non
     with pytest.raises(ValueError, match=r"max_bytes='8Gb': a lower-case 'b'"):
         MmapCachedDataset(cache_path, ImageLabels(4), max_bytes="8Gb")
     assert not os.path.exists(cache_path)
+
+
+# --- what is passed as the dataset, and loader arguments ---------------------------------------------------------
+
+
+def test_a_dataset_class_instead_of_an_instance_is_named(cache_path: str) -> None:
+    with pytest.raises(TypeError, match=r"the dataset is the class ImageLabels, not a dataset: pass an instance, "
+                                        r"ImageLabels\(\.\.\.\)"):
+        MmapCachedDataset(cache_path, ImageLabels)
+    assert not os.path.exists(cache_path)
+
+
+@pytest.mark.parametrize("batch_size", [0, -3, 2.5, True, "4"])
+def test_a_loader_batch_size_that_is_not_a_positive_int_is_refused_when_made(cache_path: str,
+                                                                             batch_size: Any) -> None:
+    # As DataLoader refuses it, in its words: before, 0 passed and the first epoch raised ZeroDivisionError.
+    with MmapCachedDataset(cache_path, ImageLabels(8)) as ds:
+        with pytest.raises(ValueError, match=r"batch_size should be a positive integer value, but got batch_size="):
+            ds.loader(batch_size=batch_size)
+        assert [len(b[1]) for b in ds.loader(batch_size=np.int64(3))] == [3, 3, 2]

@@ -140,6 +140,9 @@ def _max_shape(name: Any, shape: Any) -> tuple[int, ...]:
 
 
 def source_length(dataset: Any) -> int:
+    if isinstance(dataset, type):
+        raise TypeError(f"the dataset is the class {dataset.__name__}, not a dataset: pass an instance, "
+                        f"{dataset.__name__}(...)")
     try:
         n = len(dataset)
     except TypeError:

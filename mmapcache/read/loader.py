@@ -69,6 +69,10 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
     collate = kwargs.pop("collate_fn", None)
     placement = {name: kwargs.pop(name, None) for name in ("rank", "world_size", "seed")}
     # DataLoader's own checks, in its words.
+    if batch_size is not None:
+        if isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
+            raise ValueError(f"batch_size should be a positive integer value, but got batch_size={batch_size}")
+        batch_size = int(batch_size)
     if sampler is not None and shuffle:
         raise ValueError("sampler option is mutually exclusive with shuffle")
     if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None or drop_last):
