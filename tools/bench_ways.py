@@ -7,7 +7,9 @@ in turn (A B C ... A B C ..., best round each), each on a new cache: the bare so
 first epoch (batched misses); ``ds.fill()``; ``ds[i]`` for every ``i``; ``mmapcache.build`` with 1 and 2 workers,
 their marginal cost per sample (``BuildReport.steady``: the rows stored from the first chunk's result to the last,
 over that time: no start-up); one stream producer filling an empty ring the size of the source. And ``prefill()``
-of 1M rows of 64 bytes against a cold ``ds.loader`` epoch over the same rows (100,000 with ``--quick``).
+of 1M rows of 64 bytes against a cold ``ds.loader`` epoch over the same rows (100,000 with ``--quick``). And ragged
+captions (text of 20..200 characters, 16..512 int64 token ids, an int label): a cold ``ds.loader`` epoch,
+``DataLoader(ds)``'s, ``ds.fill()`` and ``ds[i]``, against the bare source.
 
 Run on request (``--only waysin``): its builds start worker processes, a minute of both cores even with ``--quick``.
 """
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 from bench_core import Config, Results, Side, Timed, interleave, load_now
 from bench_workloads import workspace
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 import mmapcache
 from mmapcache import MmapCachedDataset
@@ -53,12 +55,63 @@ def rows(n: int = 1000, row_bytes: int = 64) -> Rows:
     return Rows(n, row_bytes)
 
 
+class Captions(Dataset):
+    """Ragged samples: ``{"text": 20..200 characters, "ids": 16..512 int64 token ids, "label": int}``."""
+
+    def __init__(self, n: int) -> None:
+        rng = np.random.default_rng(1)
+        self.n, self.chars, self.tokens = n, rng.integers(20, 201, n).tolist(), rng.integers(16, 513, n).tolist()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return {"text": "w" * self.chars[i], "ids": torch.arange(self.tokens[i]) + i, "label": i}
+
+
 def run_ways(cfg: Config, results: Results) -> None:
     with workspace("waysin") as tmp:
         for name, row_bytes, n in (("64 B rows", 64, cfg.size(20000, 4000)), ("12 KB rows", 12288,
                                                                              cfg.size(8000, 1600))):
             _ways(cfg, results, tmp, name, row_bytes, n)
         _prefill(cfg, results, tmp)
+        _ragged(cfg, results, tmp)
+
+
+def _ragged(cfg: Config, results: Results, tmp: str) -> None:
+    n = cfg.size(10000, 2000)
+    source = Captions(n)
+
+    def bare() -> None:
+        for i in range(n):
+            source[i]
+
+    def loader(ds: MmapCachedDataset) -> None:
+        for _ in ds.loader(batch_size=256, shuffle=True):
+            pass
+
+    def dataloader(ds: MmapCachedDataset) -> None:
+        for _ in DataLoader(ds, batch_size=256, shuffle=True, collate_fn=list):
+            pass
+
+    def getitem(ds: MmapCachedDataset) -> None:
+        for i in range(n):
+            ds[i]
+
+    def timed(work: Any) -> Timed:
+        return _on_a_new_cache(tmp, source, work, ragged=["ids"])
+    sides = [Side("source", bare, n), Side("loader", lambda: timed(loader), autorange=False),
+             Side("dataloader", lambda: timed(dataloader), autorange=False),
+             Side("fill", lambda: timed(lambda ds: ds.fill()), autorange=False),
+             Side("getitem", lambda: timed(getitem), autorange=False)]
+    cmp = interleave(sides, 1 if cfg.quick else min(cfg.rounds, 3), warmup=0 if cfg.quick else 1)
+    per = {side: 1e6 / cmp.rate(side) for side in cmp.sides}
+    note = f"N={n}, source {per['source']:.2f} us a sample; load {cmp.load()[0]:.2f}-{cmp.load()[1]:.2f}"
+    texts = {"loader": "ds.loader's first epoch, shuffled", "dataloader": "DataLoader(ds)'s first epoch, shuffled",
+             "fill": "ds.fill()", "getitem": "ds[i] on a new cache"}
+    for side, text in texts.items():
+        results.row("waysin", f"ragged captions: {text}, x the bare source", per[side] / per["source"], "x",
+                    f"{per[side]:.2f} us a sample, {per[side] / per['loader']:.2f}x the loader; {note}", cmp.load())
 
 
 def _ways(cfg: Config, results: Results, tmp: str, name: str, row_bytes: int, n: int) -> None:
@@ -110,10 +163,10 @@ def _ways(cfg: Config, results: Results, tmp: str, name: str, row_bytes: int, n:
         results.target("waysin.getitem_over_source", per["getitem"] - per["source"], cmp.load(), note)
 
 
-def _on_a_new_cache(tmp: str, source: Rows, work: Any) -> Timed:
+def _on_a_new_cache(tmp: str, source: Dataset, work: Any, ragged: Any = None) -> Timed:
     """``work(ds)`` timed on a new cache of ``source`` (created, its first sample and probes stored, before the clock
     starts), removed afterwards."""
-    ds = MmapCachedDataset(os.path.join(tmp, uuid.uuid4().hex[:8]), source, ragged=None)
+    ds = MmapCachedDataset(os.path.join(tmp, uuid.uuid4().hex[:8]), source, ragged=ragged)
     start = time.perf_counter()
     work(ds)
     seconds = time.perf_counter() - start
