@@ -149,6 +149,11 @@ def compile_walk(structure: Any) -> Callable[[Any, list[Any]], None]:
 
 def _compile_leaf(field: Field) -> Callable[[Any], Any]:
     shape_ok = field.fits
+    if field.ragged and all(d < 0 for d in field.shape):  # any size: only the number of dimensions is checked
+        ndim = len(field.shape)
+
+        def shape_ok(shape: tuple[int, ...]) -> bool:
+            return len(shape) == ndim
     if field.kind in (STR, BYTES, NPSTR, NPBYTES):
         expected_type: type = {STR: str, BYTES: bytes, NPSTR: np.str_, NPBYTES: np.bytes_}[field.kind]
         text = field.kind in (STR, NPSTR)
