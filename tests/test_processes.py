@@ -165,6 +165,32 @@ def test_writer_killed_between_samples_leaves_a_consistent_cache(cache_path: str
     assert _check_consistent(cache_path, source) == n
 
 
+def _kill_inside_writes(cache_path: str, target: Any, args: tuple[Any, ...], rows: int) -> list[int]:
+    """Runs ``target(*args)`` in another process and SIGKILLs it once at least ``rows`` rows' counters are odd (it is
+    writing them); up to 8 attempts, until the kill lands inside the write. Returns the rows it left odd."""
+    ctx = another_process()
+    for _attempt in range(8):
+        proc = ctx.Process(target=target, args=args)
+        proc.start()
+        deadline, odd, seq = time.monotonic() + 60, np.zeros(0, np.int64), None
+        while time.monotonic() < deadline and proc.is_alive():
+            if seq is None and os.path.exists(os.path.join(cache_path, "meta.json")):
+                seq = np.memmap(os.path.join(cache_path, "seq.u32"), dtype="<u4", mode="r")
+            if seq is not None:
+                odd = np.flatnonzero(seq & 1)
+                if len(odd) >= rows:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+        proc.join(timeout=30)
+        kill_alive([proc])
+        del seq
+        after = _seq(cache_path)
+        landed = [int(row) for row in odd if after[row] % 2 == 1]
+        if len(landed) >= rows:
+            return landed
+    return []
+
+
 def test_writer_killed_mid_write_leaves_the_row_unfilled_and_fixable(cache_path: str) -> None:
     """Waits until a writer is inside a row's write (its counter is odd), kills it, and checks the row is treated
     as unfilled, is refused to readers without a source, and is repaired by the next fill."""
@@ -172,29 +198,8 @@ def test_writer_killed_mid_write_leaves_the_row_unfilled_and_fixable(cache_path:
     # a fresh-clone run of the suite saw 5 writes in a row end before their kill).
     n, mib = 6, 32
     source = Big(n, mib)
-    ctx = another_process()
-    landed = None
-    for _attempt in range(8):
-        proc = ctx.Process(target=big_filler, args=(cache_path, n, mib))
-        proc.start()
-        deadline = time.monotonic() + 60
-        seq = None
-        odd = np.zeros(0, dtype=np.int64)
-        while time.monotonic() < deadline and proc.is_alive():
-            if seq is None and os.path.exists(os.path.join(cache_path, "meta.json")):
-                seq = np.memmap(os.path.join(cache_path, "seq.u32"), dtype="<u4", mode="r")
-            if seq is not None:
-                odd = np.flatnonzero(seq & 1)
-                if len(odd):
-                    os.kill(proc.pid, signal.SIGKILL)
-                    break
-        proc.join(timeout=30)
-        kill_alive([proc])
-        del seq
-        after = _seq(cache_path)
-        if len(odd) and after[odd[0]] % 2 == 1:
-            landed = int(odd[0])
-            break
+    rows = _kill_inside_writes(cache_path, big_filler, (cache_path, n, mib), rows=1)
+    landed = rows[0] if rows else None
     assert landed is not None, "no kill landed inside a write in 8 attempts"
     row_bits = np.unpackbits(np.fromfile(os.path.join(cache_path, "filled.bits"), np.uint8), bitorder="little")
     assert _check_consistent(cache_path, source) < n
@@ -244,28 +249,8 @@ def test_a_writer_killed_inside_a_batch_of_ragged_values_leaves_its_rows_unfille
     shared by two rows."""
     n = 48
     source = RaggedBig(n)
-    ctx = another_process()
-    landed: list[int] = []
-    for _attempt in range(8):
-        proc = ctx.Process(target=ragged_batch_filler, args=(cache_path, n))
-        proc.start()
-        deadline, odd, seq = time.monotonic() + 60, np.zeros(0, np.int64), None
-        while time.monotonic() < deadline and proc.is_alive():
-            if seq is None and os.path.exists(os.path.join(cache_path, "meta.json")):
-                seq = np.memmap(os.path.join(cache_path, "seq.u32"), dtype="<u4", mode="r")
-            if seq is not None:
-                odd = np.flatnonzero(seq & 1)
-                if len(odd) > 1:  # inside a batch's write (a single row is a probe's)
-                    os.kill(proc.pid, signal.SIGKILL)
-                    break
-        proc.join(timeout=30)
-        kill_alive([proc])
-        del seq
-        after = _seq(cache_path)
-        landed = [int(row) for row in odd if after[row] % 2 == 1]
-        if len(landed) > 1:
-            break
-    assert len(landed) > 1, "no kill landed inside a batch's write in 8 attempts"
+    landed = _kill_inside_writes(cache_path, ragged_batch_filler, (cache_path, n), rows=2)  # (a probe is 1 row)
+    assert landed, "no kill landed inside a batch's write in 8 attempts"
     assert _check_consistent(cache_path, source) <= n - len(landed)
     with MmapCachedDataset(cache_path) as ds:
         assert not any(ds.is_cached(row) for row in landed)  # (rows are indices: no node share, no stream)
