@@ -123,12 +123,14 @@ def test_dataloader_worker_errors_reach_the_main_process_with_their_type(cache_p
     ro.close()
 
 
-def test_concurrent_fillers_store_every_sample_intact(cache_path: str) -> None:
-    n, workers = 48, 4
-    source = ImageLabels(n, shape=(64, 1024))  # 64 KiB rows: a torn copy would be visible
+@pytest.mark.parametrize("ragged", [False, True], ids=["fixed", "ragged"])
+def test_concurrent_fillers_store_every_sample_intact(cache_path: str, ragged: bool) -> None:
+    # 64 KiB rows, or ragged values of 0.25-2 MiB (a batch's written at once): a torn copy would be visible.
+    n, workers = (24, 3) if ragged else (48, 4)
+    source = RaggedBig(n) if ragged else ImageLabels(n, shape=(64, 1024))
     ctx = multiprocessing.get_context("fork")  # fork starts in milliseconds, so the fillers really overlap
     barrier, q = ctx.Barrier(workers), ctx.Queue()
-    procs = [ctx.Process(target=concurrent_filler, args=(cache_path, n, seed, barrier, q, 2))
+    procs = [ctx.Process(target=concurrent_filler, args=(cache_path, n, seed, barrier, q, 2, ragged))
              for seed in range(workers)]
     reports = _run_all(procs, q)
     assert all(r[0] == "ok" for r in reports), reports
@@ -138,6 +140,7 @@ def test_concurrent_fillers_store_every_sample_intact(cache_path: str) -> None:
     seq = _seq(cache_path)
     assert (seq % 2 == 0).all() and (seq >= 2).all()
     assert _check_consistent(cache_path, source) == n
+    assert not mmapcache.verify(cache_path).problems  # (for ragged values: heap counters, extents, free lists)
 
 
 def test_writer_killed_between_samples_leaves_a_consistent_cache(cache_path: str) -> None:

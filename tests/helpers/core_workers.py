@@ -182,25 +182,27 @@ def _forked_child_setup() -> None:
     torch.set_num_threads(1)
 
 
-def concurrent_filler(path: str, n: int, seed: int, barrier: Any, queue: Any, rounds: int) -> None:
-    """Fills and reads overlapping indices in its own random order; reports any sample that differs."""
+def concurrent_filler(path: str, n: int, seed: int, barrier: Any, queue: Any, rounds: int,
+                      ragged: bool = False) -> None:
+    """Fills and reads overlapping indices in its own random order, in batches (``__getitems__``) and one at a time;
+    reports any sample that differs. ``ragged``: ``RaggedBig`` samples (a batch's values written at once), else
+    64 KiB images."""
     _forked_child_setup()
     try:
-        source = ImageLabels(n, shape=(64, 1024))
+        source = RaggedBig(n) if ragged else ImageLabels(n, shape=(64, 1024))
         barrier.wait(timeout=60)
-        ds = MmapCachedDataset(path, ImageLabels(n, shape=(64, 1024)))  # all race to create it, then to fill it
+        # All race to create it, then to fill it.
+        ds = MmapCachedDataset(path, source, ragged=["blob"]) if ragged else MmapCachedDataset(path, source)
         rng = random.Random(seed)
         bad = []
         for _ in range(rounds):
             order = list(range(n))
             rng.shuffle(order)
-            for i in order:
-                if not sample_equal(ds[i], source[i]):
-                    bad.append(i)
-            batch = rng.sample(range(n), 8)
-            for i, got in zip(batch, ds.__getitems__(batch)):
-                if not sample_equal(got, source[i]):
-                    bad.append(i)
+            for k in range(0, n, 8):
+                batch = order[k:k + 8]
+                bad += [i for i, got in zip(batch, ds.__getitems__(batch)) if not sample_equal(got, source[i])]
+            rng.shuffle(order)
+            bad += [i for i in order if not sample_equal(ds[i], source[i])]
         ds.close()
         queue.put(("ok", seed, bad))
     except BaseException as exc:
