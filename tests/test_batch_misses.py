@@ -417,9 +417,15 @@ def _through_two_workers(path: str, source: SharedBuffer, context: str, ragged: 
     workers read ``ds[i]``)."""
     options: dict[str, Any] = {"ragged": ["x"]} if ragged else {}
     with MmapCachedDataset(path, source, **options) as ds:
-        loader = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=2, multiprocessing_context=context,
-                            collate_fn=_as_list)
-        return list(loader) if batch_size is None else [sample for batch in loader for sample in batch]
+        batches = iter(DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=2,
+                                  multiprocessing_context=context, collate_fn=_as_list))
+        try:
+            return list(batches) if batch_size is None else [sample for batch in batches for sample in batch]
+        finally:
+            # Now, not when the iterator is collected: the traceback of a worker's error, which pytest keeps, holds
+            # it, and its workers went on with the batches handed to them after the test had removed the cache (a
+            # spawned worker then created it again, and the directory outlived the test).
+            batches._shutdown_workers()  # type: ignore[attr-defined]
 
 
 def _as_list(samples: list[Any]) -> list[Any]:
