@@ -21,6 +21,7 @@ from .errors import (
     SourceError,
     SpecError,
     StreamBypassWarning,
+    StreamPositionWarning,
     StreamTimeoutError,
     UncachedFieldWarning,
     UnsupportedFileSystemError,
@@ -62,6 +63,7 @@ __all__ = [
     "CacheRemovedWarning",
     "DistributedOrderWarning",
     "StreamBypassWarning",
+    "StreamPositionWarning",
     "UncachedFieldWarning",
 ]
 

@@ -123,6 +123,12 @@ class StreamBypassWarning(UserWarning):
     loader's batches (create it with a larger ``max_bytes``)."""
 
 
+class StreamPositionWarning(UserWarning):
+    """A stream's reader went on from where it had stopped, not from the earlier epoch ``set_epoch`` asked for: a
+    stream serves each computation once, and the epochs it has passed are gone. The message says how to start
+    over (remove the stream) or to resume a job exactly (load its loader state)."""
+
+
 class DistributedOrderWarning(UserWarning):
     """``ds.loader()`` in a distributed job with an order that cannot split the data across ranks (a sampler that
     gives every rank the whole dataset), or that repeats the last epoch's order (no ``set_epoch`` between two

@@ -31,6 +31,7 @@ from mmapcache import (
     MmapCachedDataset,
     PadCollate,
     StreamBypassWarning,
+    StreamPositionWarning,
     StreamTimeoutError,
     describe,
 )
@@ -238,6 +239,32 @@ def test_a_killed_reader_resumes_where_it_stopped_and_nothing_is_served_twice(ca
     # The restarted reader resumes at its cursor: the rest of epoch 0, nothing it was already handed.
     assert [i for i, _ in first] + rest == epoch_order(4, 0, N).tolist()
     assert not {t for _, t in first} & set(tokens)
+
+
+def test_set_epoch_behind_a_readers_position_says_the_reader_goes_on_from_it(cache_path: str) -> None:
+    # A script run again calls set_epoch(0), but its rank's cursor is in epoch 2: the stream goes on from there
+    # (its past epochs are gone), and says so instead of reading epoch 2 as "epoch 0" silently (a new-user trial).
+    n = 20
+    with MmapCachedDataset(cache_path, Fresh(n), stream=True, seed=0) as ds:
+        loader = ds.loader(batch_size=5)
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            assert _epoch(loader)[0] == epoch_order(0, epoch, n).tolist()
+    with MmapCachedDataset(cache_path, Fresh(n), stream=True, seed=0) as ds:
+        loader = ds.loader(batch_size=5)
+        ds.set_epoch(0)
+        with pytest.warns(StreamPositionWarning, match=r"set_epoch\(0\) asked for epoch 0 of the stream at .*, but "
+                                                       r"rank 0 had already read it up to epoch 2: it goes on from "
+                                                       r"there .*remove the stream .*load its loader state"):
+            assert _epoch(loader)[0] == epoch_order(0, 2, n).tolist()
+        assert ds.epoch == 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once a loader; and without set_epoch, no warning (it is optional)
+            ds.set_epoch(1)
+            assert _epoch(loader)[0] == epoch_order(0, 3, n).tolist()
+    with MmapCachedDataset(cache_path, Fresh(n), stream=True, seed=0) as ds, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _epoch(ds.loader(batch_size=5))[0] == epoch_order(0, 4, n).tolist()
 
 
 def _read_and_log(path: str, log: str, _: Any) -> None:

@@ -23,6 +23,7 @@ from ..errors import (
     CacheInUseError,
     SampleNotCachedError,
     StreamBypassWarning,
+    StreamPositionWarning,
     StreamTimeoutError,
     warn,
 )
@@ -39,6 +40,7 @@ class _StreamDataset(Protocol):
 
     path: str
     transform: Callable[[Any], Any] | None
+    epoch_sets: int  # set_epoch calls in this process
 
     @property
     def epoch(self) -> int: ...
@@ -224,6 +226,7 @@ class StreamLoader:
         self.job_rank, self.job_size, rank, ranks = reader_place(ring, kwargs.pop("rank", None),
                                                                  kwargs.pop("world_size", None))
         self.ds, self.rank, self.ranks = ds, rank, ranks  # (this node's ranks that read its ring)
+        self._warned_position = False
         self.batch_size, self.drop_last = batch_size, bool(kwargs.pop("drop_last", False))
         # A batch of every rank spans batch_size * world_size positions, and a rank reads the batch in use and
         # num_workers * prefetch_factor more ahead of its cursor; producers may work at most `slots` ahead of the
@@ -247,7 +250,15 @@ class StreamLoader:
     def __iter__(self) -> Iterator[Any]:
         reads = self.ds.stream_reads()
         self._hold(reads.ring)
+        asked = self.ds.epoch
         epoch, start = reads.start(self.rank, self.ranks)
+        if epoch > asked and self.ds.epoch_sets and not self._warned_position:
+            self._warned_position = True
+            warn(f"set_epoch({asked}) asked for epoch {asked} of the stream at {self.ds.path}, but rank {self.rank} "
+                 f"had already read it up to epoch {epoch}: it goes on from there (a stream serves each computation "
+                 "once; the epochs it has passed are gone). To read from the start again, remove the stream "
+                 "(`mmapcache rm`) and create it anew; to resume a job exactly, load its loader state "
+                 "(loader.load_state_dict)", StreamPositionWarning)
         stop = self.per_rank - (self.per_rank - start) % self.batch_size if self.drop_last else self.per_rank
         self._plan.items = [(epoch, a, min(a + self.batch_size, stop)) for a in range(start, stop, self.batch_size)]
         for (epoch, _, end), (stats, batch) in zip(self._plan.items, self._loader):
