@@ -160,6 +160,22 @@ def test_drop_last_cuts_as_distributed_sampler_does(shm_dir: str) -> None:
         samplers[0].ds.close()
 
 
+def test_a_share_sampler_given_the_jobs_rank_and_size_says_it_takes_the_nodes(
+        cache_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As one passes them to DistributedSampler: rank 2 of 4 on node 1 of 2 was read as local rank 2 of 4, and each
+    # node's two ranks read half of its share (49 of 101 indices never read in an epoch, in a new-user trial).
+    for name, value in (("RANK", "2"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    with MmapCachedDataset(cache_path, ImageLabels(N), node_share=(1, 2), fingerprint="f") as ds:
+        with pytest.raises(ValueError, match=r"sampler\(rank=2, world_size=4\) on a node share takes this node's "
+                                             r"ranks, not the job's \(RANK/WORLD_SIZE\): here rank=0, world_size=2 "
+                                             r"\(LOCAL_RANK/LOCAL_WORLD_SIZE\)"):
+            ds.sampler(rank=2, world_size=4)
+        assert ds.sampler().epoch_indices().tolist() == ds.sampler(rank=0, world_size=2).epoch_indices().tolist()
+        mine = {i for r in range(2) for i in ds.sampler(rank=r, world_size=2)}
+        assert mine == set(share_of(N, 2, 1, 0).tolist())  # the node's two ranks read its whole share
+
+
 def test_without_a_share_it_is_a_distributed_sampler(cache_path: str) -> None:
     with MmapCachedDataset(cache_path, ImageLabels(N)) as ds:
         samplers = [ds.sampler(rank=r, world_size=3, seed=1) for r in range(3)]

@@ -21,13 +21,14 @@ For a cache without a share (a full copy on every node) it is ``DistributedSampl
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from ..store.share import Share, job_rank_and_size
+from ..store.share import Share, env_int, job_rank_and_size
 
 __all__ = ["ShareSampler"]
 
@@ -71,6 +72,8 @@ class ShareSampler(Sampler[int]):
                             "environment)")
         if rank is None:
             rank, world_size = _local(ds.path) if self.share is not None else job_rank_and_size()
+        elif self.share is not None and self.share.nodes > 1:
+            _refuse_job_place(rank, world_size)
         assert world_size is not None  # both given or both found
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} of {world_size}: need 0 <= rank < world_size")
@@ -108,6 +111,23 @@ class ShareSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.per_rank
+
+
+def _refuse_job_place(rank: int, world_size: Any) -> None:
+    """A node share's sampler given the job's rank and size where the launcher's variables say this node's differ
+    (``DistributedSampler(num_replicas=WORLD_SIZE, rank=RANK)``'s habit): each node's ranks would read only part of
+    its share, and the job part of the data, silently."""
+    env = os.environ
+    for job, local in ((("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")),
+                       (("SLURM_PROCID", "SLURM_NTASKS"), ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"))):
+        if not all(name in env for name in (*job, *local)):
+            continue
+        job_place, local_place = (env_int(job[0]), env_int(job[1])), (env_int(local[0]), env_int(local[1]))
+        if (rank, world_size) == job_place != local_place:
+            raise ValueError(
+                f"sampler(rank={rank}, world_size={world_size}) on a node share takes this node's ranks, not the "
+                f"job's ({job[0]}/{job[1]}): here rank={local_place[0]}, world_size={local_place[1]} "
+                f"({local[0]}/{local[1]}); or leave both out, to read them from the environment")
 
 
 def _local(path: str) -> tuple[int, int]:
