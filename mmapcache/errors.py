@@ -132,7 +132,7 @@ class StreamPositionWarning(UserWarning):
 class DistributedOrderWarning(UserWarning):
     """``ds.loader()`` in a distributed job with an order that cannot split the data across ranks (a sampler that
     gives every rank the whole dataset), or that repeats the last epoch's order (no ``set_epoch`` between two
-    epochs): the message names the fix."""
+    epochs), or over a node share without its sampler (``ds.sampler()``): the message names the fix."""
 
 
 class CacheReadOnlyWarning(UserWarning):

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from helpers.sources import Counting, ImageLabels, sample_equal
 from helpers.torchrun import TESTS, results, two_nodes
-from mmapcache import CacheMismatchError, MmapCachedDataset, ShareSampler, describe
+from mmapcache import CacheMismatchError, DistributedOrderWarning, MmapCachedDataset, ShareSampler, describe
 from mmapcache.store.share import Share, node_of_process, share_of
 
 N = 50
@@ -174,6 +174,19 @@ def test_a_share_sampler_given_the_jobs_rank_and_size_says_it_takes_the_nodes(
         assert ds.sampler().epoch_indices().tolist() == ds.sampler(rank=0, world_size=2).epoch_indices().tolist()
         mine = {i for r in range(2) for i in ds.sampler(rank=r, world_size=2)}
         assert mine == set(share_of(N, 2, 1, 0).tolist())  # the node's two ranks read its whole share
+
+
+def test_the_loader_without_a_sampler_over_a_share_says_to_pass_the_shares(cache_path: str) -> None:
+    # ds.loader(shuffle=True), the guide's loader for every launcher, reads the job's split of the whole dataset:
+    # over a node share, half of a rank's samples (of 2 nodes) were computed from the source every epoch, silently.
+    with MmapCachedDataset(cache_path, ImageLabels(N), node_share=(1, 2), fingerprint="f") as ds:
+        with pytest.warns(DistributedOrderWarning, match=r"ds.loader\(\) without a sampler over the node share at "
+                                                         r".*about 1 in 2 of this rank's samples lie outside this "
+                                                         r"node's share .*pass sampler=ds.sampler\(shuffle=True\)"):
+            assert sum(len(labels) for _, labels in ds.loader(batch_size=8, shuffle=True)) == N
+        sampler = ds.sampler()  # no warning with it (the suite turns warnings into errors)
+        assert sum(len(labels) for _, labels in ds.loader(batch_size=8, sampler=sampler)) == len(sampler)
+        assert set(sampler.epoch_indices().tolist()) == set(share_of(N, 2, 1, 0).tolist())
 
 
 def test_without_a_share_it_is_a_distributed_sampler(cache_path: str) -> None:

@@ -134,6 +134,7 @@ class BatchOrder(DistributedSampler):
         self.resume: Resume | None = None  # set by CacheLoader.load_state_dict
         self.sets_seen = ds.epoch_sets  # the dataset's set_epoch count when this order was made or last began a pass
         self._warned = False
+        self._warned_share = False  # (ds.loader() without a sampler over a node share)
         self._epochs = self._epoch_pair()  # (the dataset's, the user sampler's) when last in step
 
     def over(self, sampler: Any) -> BatchOrder:
@@ -345,6 +346,13 @@ class BatchOrder(DistributedSampler):
         if not self.own:
             return epoch_indices(self.user_sampler)
         rank, size = self.placement()
+        share = getattr(self.ds, "share", None)
+        if share is not None and share.nodes > 1 and not self._warned_share:
+            self._warned_share = True
+            warn(f"ds.loader() without a sampler over the node share at {getattr(self.ds, 'path', '?')}: it splits "
+                 f"each epoch across the job's ranks, so about {share.nodes - 1} in {share.nodes} of this rank's "
+                 "samples lie outside this node's share and are computed from the source every epoch; pass "
+                 "sampler=ds.sampler(shuffle=True), which keeps each rank on its node's share", DistributedOrderWarning)
         if size == 1:
             if not self.shuffle:
                 return np.arange(n, dtype=np.int64)
