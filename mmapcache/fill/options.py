@@ -104,13 +104,25 @@ class CreateOptions:
         epoch the node holds), else ``DEFAULT_RING``."""
         if self.max_bytes is None:
             return min(length, DEFAULT_RING)
+        # A ring's rows are written over every lap with values of new sizes: its heaps level off at about 1.5x the
+        # live values (moved values leave extents on the free lists, reused at up to ~1.8x their size; see
+        # store.heap). Planned at the probes' mean, they ran out of room and producers dropped their values: twice
+        # the mean, unless that leaves no slot at all.
+        fit = self._fit(layout, length, 2 * ragged_bytes) or self._fit(layout, length, ragged_bytes)
+        if fit == 0:
+            per_sample = max(1, plan_bytes(layout, 8, 0, ragged_bytes) // 8)
+            raise ValueError(f"max_bytes={self.max_bytes} is smaller than one sample ({per_sample} bytes): the ring "
+                             "must hold at least one; raise it")
+        return fit
+
+    def _fit(self, layout: Layout, length: int, ragged_bytes: int) -> int:
+        """How many of a ring's slots (at most ``length``), with ``ragged_bytes`` a slot in the heaps, ``max_bytes``
+        holds."""
+        assert self.max_bytes is not None
         per_sample = max(1, plan_bytes(layout, 8, 0, ragged_bytes) // 8)
         fit = min(length, self.max_bytes // per_sample)
         while fit and plan_bytes(layout, fit, 0, ragged_bytes) > self.max_bytes:
             fit -= 1
-        if fit == 0:
-            raise ValueError(f"max_bytes={self.max_bytes} is smaller than one sample ({per_sample} bytes): the ring "
-                             "must hold at least one; raise it")
         return fit
 
 

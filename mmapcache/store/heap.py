@@ -194,11 +194,14 @@ class Heap:
         capacity = int(c[CAPACITY])
         if need <= capacity:
             return True
-        grown = max(need, capacity + max(_MIN_GROWTH, capacity // 16))
+        # The step: a sixteenth of the capacity, and at least 16 KiB where no budget is shared.
+        grown = max(need, capacity + max(_MIN_GROWTH if budget_left is None else 0, capacity // 16))
         grown = -(-grown // _PAGE) * _PAGE
         if budget_left is not None:
             # Under a budget that the ragged fields share, grow past what the value needs by at most half of
-            # what is left: a step of one field must not take the room of the others' next values.
+            # what is left: a step of one field must not take the room of the others' next values (with the
+            # 16 KiB minimum step, a field of small values took the room a field of large ones needed, and a
+            # stream's producers dropped its values).
             grown = min(grown, max(need, capacity + budget_left // 2))
             if grown - capacity > budget_left:
                 return False

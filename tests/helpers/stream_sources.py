@@ -88,3 +88,20 @@ class Augmented(Dataset):
 
         return {"torch": torch.rand(4, dtype=torch.float64), "numpy": torch.from_numpy(np.random.rand(4)),
                 "python": torch.tensor([random.random()], dtype=torch.float64), "i": index}
+
+
+class Captioned(Dataset):
+    """Ragged values whose sizes change with every computation (a random crop's caption): ``{"text": 80..1600
+    characters, "tok": 1..20 int64, "i": index}``, drawn from Python's ``random``."""
+
+    def __init__(self, n: int = 120) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        import random
+
+        words = 1 + int(random.random() * 20)
+        return {"text": f"{index:>79};" * words, "tok": torch.full((words,), index, dtype=torch.int64), "i": index}
