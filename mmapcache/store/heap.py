@@ -59,7 +59,8 @@ _MIN_EXTENT_LOG2 = 4  # 16 bytes: room for a free extent's two words
 CLASSES = 40 * _CLASSES_PER_DOUBLING  # up to 2**44 bytes (16 TiB) per extent
 BLOCK = HEADS + CLASSES  # uint64 words per ragged field in heaps.u64
 MIN_EXTENT = 1 << _MIN_EXTENT_LOG2
-# Growth step: at least this, else a sixteenth of the capacity (reserved-but-unused space stays under ~6%).
+# Growth step: at least this (without a heap budget; see Heap.reserve), else a sixteenth of the capacity
+# (reserved-but-unused space stays under ~6%).
 _MIN_GROWTH = 1 << 14
 _PAGE = 4096
 # How many classes above the one that fits a value ``reuse`` looks in (each is 12.5% larger than the one below).
