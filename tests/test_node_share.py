@@ -189,6 +189,22 @@ def test_the_loader_without_a_sampler_over_a_share_says_to_pass_the_shares(cache
         assert set(sampler.epoch_indices().tolist()) == set(share_of(N, 2, 1, 0).tolist())
 
 
+def test_inspect_maps_the_indices_a_rotated_shares_rows_hold(cache_path: str) -> None:
+    # The fill map was drawn from generation 0's partition even when the rows held a later one's samples (a
+    # new-user trial): it showed indices filled that no row held. Once the rows hold another generation, it shows
+    # the indices their keys name.
+    n = 32
+    with MmapCachedDataset(cache_path, ImageLabels(n), node_share=(0, 2), rotate_every=1, fingerprint="f") as ds:
+        first = set(ds.cacheable_indices().tolist())
+        assert describe(cache_path)["fill_map"] == "".join(
+            ("@" if ds.is_cached(i) else " ") if i in first else "_" for i in range(n))  # generation 0, partly filled
+        ds.set_epoch(1)
+        ds.fill(ds.missing_indices().tolist())
+        held = set(ds.cacheable_indices().tolist())
+        assert held != first and ds.num_cached == len(held)
+    assert describe(cache_path)["fill_map"] == "".join("@" if i in held else "_" for i in range(n))
+
+
 def test_without_a_share_it_is_a_distributed_sampler(cache_path: str) -> None:
     with MmapCachedDataset(cache_path, ImageLabels(N)) as ds:
         samplers = [ds.sampler(rank=r, world_size=3, seed=1) for r in range(3)]

@@ -79,9 +79,20 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         rows = np.arange(store.rows, dtype=np.int64)
         filled = state.filled_rows(rows) if store.rows else np.zeros(0, bool)
         stale = state.stale_rows(rows) & filled if store.rows else np.zeros(0, bool)
-        if store.rows and meta["mode"] == "cache":  # a stream's rows hold positions, not indices: no fill map
+        rowmap = RowMap.of(store) if store.rows and meta["mode"] == "cache" else None
+        held_rows = np.flatnonzero(filled)
+        if rowmap is not None and rowmap.keyed and np.any(
+                state.keys_np[held_rows] != rowmap.index_and_variant(held_rows)[0]):
+            # A rotating share whose rows hold a later generation's samples (each row's key names its sample). The
+            # map shows the indices the filled rows hold; which generation is being filled, and so its indices not
+            # yet filled, are not the files' to say (`_` there).
+            keys = state.keys_np[held_rows]
+            keys = keys[(keys >= 0) & (keys < store.length)]
+            held, counts = np.unique(keys, return_counts=True)
+            mapped = fill_map(store.length, held, counts / store.variants)
+        elif rowmap is not None:  # a stream's rows hold positions, not indices: no fill map
             shares = filled.reshape(store.slots, store.variants).mean(axis=1)
-            mapped = fill_map(store.length, RowMap.of(store).cacheable(), shares)
+            mapped = fill_map(store.length, rowmap.cacheable(), shares)
         else:
             mapped = fill_map(store.length, np.zeros(0, np.int64), np.zeros(0))
         fields = []
