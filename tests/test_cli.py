@@ -14,6 +14,7 @@ import pytest
 
 import mmapcache
 from helpers.sources import ImageLabels
+from helpers.stream_sources import Fresh
 from mmapcache import MmapCachedDataset
 from mmapcache.cli import main
 from mmapcache.store.create import make_scratch
@@ -169,6 +170,22 @@ def test_verify_detects_a_corrupted_row(cache_path: str, capsys: pytest.CaptureF
     assert "sample 17 (row 17), field '0'" in err and "1 difference(s)" in out
     code, out, err = run("verify", cache_path, *source, "--samples", "5", capsys=capsys)
     assert code in (0, 1) and "5 compared" in out  # a random 5 of 30: may or may not include row 17
+
+
+def test_verify_of_a_randomly_augmented_stream_says_why_its_samples_differ(
+        cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A stream created the guide's way (deterministic by default) from a source that augments at random: every
+    # compared sample differs, and the advice was to rebuild the cache or refresh the samples (a new-user trial).
+    spec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "stream_sources.py") + ":fresh"
+    MmapCachedDataset(cache_path, Fresh(40), stream=True, seed=0).close()  # (its first positions stored)
+    code, out, err = run("verify", cache_path, "--source", spec, "--kwargs", '{"n": 40}', "--all", capsys=capsys)
+    assert code == 1 and "difference(s)" in out
+    assert "a stream's rows are computed afresh every lap" in err and "deterministic=False" in err
+    assert "refresh" not in err
+    declared = cache_path + "-declared"
+    MmapCachedDataset(declared, Fresh(40), stream=True, seed=0, deterministic=False).close()
+    code, out, err = run("verify", declared, "--source", spec, "--kwargs", '{"n": 40}', "--all", capsys=capsys)
+    assert code == 0 and "not deterministic" in out, out + err
 
 
 def test_verify_detects_damaged_state(cache_path: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -53,6 +53,7 @@ class VerifyResult:
     uncomparable: str | None = None  # why samples were not compared with the given source (not a problem)
     changed_layout: bool = False
     differing: int = 0
+    stream: bool = False  # the cache is a stream: its rows are computed afresh every lap
 
     @property
     def ok(self) -> bool:
@@ -87,7 +88,7 @@ def verify(path: str | os.PathLike[str], dataset: Any = None, *, kwargs: dict[st
         store = Store(path, writable=False)
     except CacheFormatError as exc:  # damage found while opening: a finding, like the others
         return VerifyResult(path, problems=[str(exc)])
-    result = VerifyResult(path, rows=store.rows)
+    result = VerifyResult(path, rows=store.rows, stream=store.meta["mode"] == "stream")
     try:
         store.attach()  # a user while it reads: `mmapcache rm` without --force refuses to remove it meanwhile
         _check_state(store, result)

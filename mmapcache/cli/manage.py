@@ -82,6 +82,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
               f"preprocessing changed since the cache was built. Build the cache again from it (`mmapcache rm "
               f"{path}`, then `mmapcache build`; or open it with overwrite=True); if the field's shape varies from "
               "sample to sample, build it with --ragged FIELD", file=sys.stderr)
+    elif result.differences and result.stream:
+        print("mmapcache: a stream's rows are computed afresh every lap, so a source that augments at random differs "
+              "from them every time (that is what a stream serves): only a deterministic source can be compared. "
+              "Create the stream with deterministic=False (MmapCachedDataset(..., stream=True, deterministic=False)) "
+              "to record that its source is not, and verify then checks its files only", file=sys.stderr)
     elif result.differences:
         print("mmapcache: rebuild the differing samples: `mmapcache rm` the cache and build it again, or refresh them "
               "(MmapCachedDataset.refresh(indices=...)) and run `mmapcache build`", file=sys.stderr)
