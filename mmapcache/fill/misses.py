@@ -344,10 +344,9 @@ class Misses:
         reader, state = self.reader, self.store.state
         if reader.fixed:
             positions = np.array([k for k, _, _ in computed], np.int64)
-            targets = rows[positions]
-            _, first = np.unique(targets, return_index=True)  # an index asked twice in a batch: stored once
-            positions = positions[np.sort(first)]
-            keys = np.array([index for _, index, _ in computed], np.int64)[np.sort(first)]
+            first = _first_of_each(rows[positions])
+            positions = positions[first]
+            keys = np.array([index for _, index, _ in computed], np.int64)[first]
             try:
                 return state.publish_rows(rows[positions], keys, lambda todo: self.writer.write_rows(
                     rows, columns, positions[todo]))
@@ -374,14 +373,19 @@ class Misses:
         """Stores a batch's samples, of a layout with ragged fields, at once: their ragged values packed back to back
         at the heaps' ends with one system call per field (``RowWriter.write_new_rows``), which is where storing
         them one at a time would put them. ``Declined``, with nothing changed, where it would not."""
-        first = {row: n for n, row in reversed(list(enumerate(targets)))}  # an index asked twice: stored once
-        keep = sorted(first.values())
+        keep = _first_of_each(np.array(targets, np.int64)).tolist()
 
         def write(todo: np.ndarray) -> None:
             chosen = [keep[t] for t in todo.tolist()]
             self.writer.write_new_rows([targets[n] for n in chosen], [samples[n] for n in chosen])
         return self.store.state.publish_rows(np.array([targets[n] for n in keep], np.int64),
                                              np.array([keys[n] for n in keep], np.int64), write, new_only=True)
+
+
+def _first_of_each(targets: np.ndarray) -> np.ndarray:
+    """The positions of each row's first occurrence in a batch's ``targets``, in batch order (an index asked twice
+    in a batch is stored once)."""
+    return np.sort(np.unique(targets, return_index=True)[1])
 
 
 def _shared_tensors(sample: Any) -> list[Any]:

@@ -114,7 +114,7 @@ class RowWriter:
         batch (``write`` stores the values that fit); and ``CacheFormatError`` for a heap whose counters are
         damaged. The caller holds the writer lock (``SlotState.publish_rows``)."""
         store = self.store
-        plans: list[tuple[int, Heap, int, list[np.ndarray], np.ndarray]] = []
+        plans: list[tuple[int, Heap, int, int, list[np.ndarray], np.ndarray]] = []  # (field, heap, start, end, ...)
         for n in self.ragged:
             heap, index = store.heaps[n], store.index[n]
             assert heap is not None and index is not None  # a ragged field has both (see Store)
@@ -131,20 +131,19 @@ class RowWriter:
             entries[:, 0] = np.where(sizes > 0, start + np.cumsum(sizes) - sizes, 0)  # (an empty value: 0, 0)
             entries[:, 1] = sizes
             entries[:, 2:] = np.array([v.shape for v in values], np.int64).reshape(len(values), -1)
-            plans.append((n, heap, start, values, entries))
+            plans.append((n, heap, start, start + int(sizes.sum()), values, entries))
         budget = budget_left(store.heap_counters, store.heap_budget)
-        if budget is not None and sum(max(0, start + int(entries[:, 1].sum()) - int(heap.counters[CAPACITY]))
-                                      for _, heap, start, _, entries in plans) > budget:
+        if budget is not None and sum(max(0, end - int(heap.counters[CAPACITY]))
+                                      for _, heap, _, end, _, _ in plans) > budget:
             raise Declined  # (before any heap grows: one at a time, the fields would share what is left)
-        for _, heap, start, _, entries in plans:
-            if not heap.reserve(start + int(entries[:, 1].sum()), budget_left(store.heap_counters,
-                                                                               store.heap_budget)):
+        for _, heap, _, end, _, _ in plans:
+            if not heap.reserve(end, budget_left(store.heap_counters, store.heap_budget)):
                 raise Declined
-        for n, heap, start, values, entries in plans:
-            total, c = int(entries[:, 1].sum()), heap.counters
-            if total:
+        for n, heap, start, end, values, entries in plans:
+            c = heap.counters
+            if end > start:
                 c[ABANDONED] += start - int(c[END])  # alignment padding
-                c[END] = start + total
+                c[END] = end
             heap.write_packed(start, values)
             store.index[n][rows] = entries  # type: ignore[index]
         for row, values in zip(rows, samples):
