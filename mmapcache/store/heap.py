@@ -112,27 +112,31 @@ class Heap:
         self.buf = np.empty(0, np.uint8)
         self.size = 0
         self.remap()
-        self.check_counters(self.size)
+        self.check_counters()
 
     def _damaged(self, problem: str) -> CacheFormatError:
         directory = os.path.dirname(self.path)
         return CacheFormatError(f"{self.path}: {problem}; the cache is damaged: remove it (`mmapcache rm --force "
                                 f"{directory}`) and build it again (`mmapcache verify {directory}` lists the damage)")
 
-    def check_counters(self, size: int | None = None) -> None:
+    def check_counters(self) -> None:
         """Raises ``CacheFormatError`` unless this heap's counters describe its file: ``end <= capacity <= size``
-        (the file's size: ``fstat`` unless given) and ``free <= end``. Checked when the heap is opened, and by a
-        writer before it changes anything (holding the writer lock), so that no write lands past what
-        ``posix_fallocate`` reserved."""
+        (the file's size) and ``free <= end``. Checked when the heap is opened, and by a writer before it changes
+        anything (holding the writer lock), so that no write lands past what ``posix_fallocate`` reserved.
+
+        An opener takes no lock, so each bound is read after what it bounds: ``free`` and ``abandoned``, then
+        ``end``, ``capacity`` and the file's size, which only grow, and in that order (a writer grows the file before
+        it raises ``capacity``, and ``capacity`` before ``end``). (The size read first, while another process grew
+        the heap, had a sound cache reported damaged, with the advice to remove it.)"""
         c = self.counters
-        end, capacity, free = int(c[END]), int(c[CAPACITY]), int(c[FREE])
-        if size is None:
-            size = os.fstat(self.fd).st_size
+        free, abandoned, uncached = int(c[FREE]), int(c[ABANDONED]), int(c[UNCACHED])
+        end = int(c[END])
+        capacity = int(c[CAPACITY])
+        size = os.fstat(self.fd).st_size
         if not 0 <= end <= capacity <= size:
             raise self._damaged(f"its counters in heaps.u64 say {end} bytes are in use of {capacity} reserved, but "
                                 f"the file has {size} bytes (need used <= reserved <= file size): the file or "
                                 "heaps.u64 is truncated or overwritten")
-        abandoned, uncached = int(c[ABANDONED]), int(c[UNCACHED])
         if free + abandoned > end or uncached >= 1 << 63:
             raise self._damaged(f"its counters in heaps.u64 say {free} bytes are free and {abandoned} abandoned of "
                                 f"{end} in use, and {uncached} samples were not stored")

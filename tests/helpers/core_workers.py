@@ -276,3 +276,23 @@ def interleaved_filler(path: str, n: int, k: int, workers: int, barrier: Any, qu
         queue.put(("ok", k))
     except BaseException as exc:
         queue.put(("error", k, repr(exc)))
+
+
+class Widening(Dataset):
+    """1-D int64 values of 64 KiB and more (seeded per index): nearly every one stored grows the heap's file."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((8192 + index % 50,), index, dtype=torch.int64)
+
+
+def widening_filler(path: str, n: int) -> None:
+    """Stores ``Widening(n)`` one sample at a time."""
+    with MmapCachedDataset(path, Widening(n), ragged=["<sample>"]) as ds:
+        for i in range(n):
+            ds[i]
