@@ -34,8 +34,12 @@ killed mid-write leaks at most the extents it was moving (counted nowhere; the r
 hands one extent to two rows: the next writer of a row whose counter is odd ignores that row's old extent (see
 ``RowWriter.write``).
 
-When the file system or the cache's heap budget has no room, ``allocate`` returns None and the sample is served
-uncached (``uncached`` counts it).
+When the heap cannot grow (the file system, or the cache's heap budget, has no room), ``allocate`` cuts the value's
+room from the front of a larger free extent than it would take whole (``_split``). With none, a writer may rebuild
+the free lists from the extents rows own (``sweep``): every other byte is free, and adjacent free bytes become one
+extent (the lists never join neighbours otherwise). Under a budget, values of new sizes left extents of every size,
+none large enough for a value that grew. When there is still no room, ``allocate`` returns None and the sample is
+served uncached (``uncached`` counts it).
 """
 
 from __future__ import annotations
@@ -111,6 +115,8 @@ class Heap:
         self._lock = threading.Lock()
         self.buf = np.empty(0, np.uint8)
         self.size = 0
+        # The loose bytes after this process's last sweep, and the bytes it freed since (worth_sweeping).
+        self._swept, self._freed = -1 << 62, 0
         self.remap()
         self.check_counters()
 
@@ -187,7 +193,7 @@ class Heap:
         end = int(c[END])
         offset = -(-end // align) * align
         if not self.reserve(offset + size, budget_left):
-            return None
+            return self._split(nbytes, align)
         c[END] = offset + size
         c[ABANDONED] += offset - end  # alignment padding
         return offset, size
@@ -229,7 +235,15 @@ class Heap:
         nonempty = np.flatnonzero(heads)
         if not len(nonempty):
             return None
-        cls = first + int(nonempty[0])
+        offset, size = self._pop(first + int(nonempty[0]), need)
+        start = -(-offset // align) * align
+        c[ABANDONED] += start - offset
+        return start, offset + size - start
+
+    def _pop(self, cls: int, need: int) -> tuple[int, int]:
+        """Takes the first extent off the (non-empty) free list of class ``cls``, checked to hold ``need`` bytes:
+        its ``(offset, size)``."""
+        c = self.counters
         offset, end = int(c[HEADS + cls]) - 1, int(c[END])
         if not 0 <= offset <= end - MIN_EXTENT:
             raise self._damaged(f"the free list of size class {cls} starts at offset {offset}, outside the heap's "
@@ -245,9 +259,60 @@ class Heap:
                                 f"the heap's {end} used bytes")
         c[HEADS + cls] = following
         c[FREE] -= size
+        return offset, size
+
+    def _split(self, nbytes: int, align: int) -> tuple[int, int] | None:
+        """Room for ``nbytes`` cut from the front of the smallest free extent too large for ``reuse`` to take whole
+        (the heap cannot grow): the value's class size, the rest back on the free lists. None if there is none."""
+        c = self.counters
+        first = size_class(class_size(nbytes + align - 1)) + _SEARCH
+        if first >= CLASSES or not int(c[FREE]):
+            return None
+        nonempty = np.flatnonzero(c[HEADS + first:HEADS + CLASSES])
+        if not len(nonempty):
+            return None
+        offset, size = self._pop(first + int(nonempty[0]), nbytes + align - 1)
         start = -(-offset // align) * align
+        taken = min(offset + size, start + class_size(nbytes)) - start
         c[ABANDONED] += start - offset
-        return start, offset + size - start
+        self.free(start + taken, offset + size - start - taken)
+        return start, taken
+
+    def sweep(self, owned: np.ndarray) -> None:
+        """Rebuilds the free lists from what rows own: ``owned`` is every ``(offset, capacity)`` that a row's index
+        records and the row may still read or reuse (see ``RowWriter``); every other byte below ``END`` (free
+        extents, abandoned scraps, the extents of writers that died) is free, and adjacent ones become one extent.
+        Moved values leave extents of every size, none large enough for a value that grows: this joins them.
+        Bytes that an ``owned`` extent covers are never freed, even where extents overlap (damage). A writer killed
+        during a sweep leaves part of the free space on no list (counted nowhere), never a listed extent that a row
+        owns. Caller holds the writer lock."""
+        c = self.counters
+        end = int(c[END])
+        owned = owned[owned[:, 1] > 0]
+        owned = owned[np.argsort(owned[:, 0], kind="stable")]
+        gap_starts = np.concatenate(([0], np.maximum.accumulate(owned[:, 0] + owned[:, 1])))
+        gap_ends = np.minimum(np.concatenate((owned[:, 0], [end])), end)
+        keep = gap_ends > gap_starts
+        c[HEADS:HEADS + CLASSES] = 0  # (emptied before the counts: never more counted than the lists hold)
+        c[FREE] = 0
+        c[ABANDONED] = 0
+        scraps = 0
+        for offset, size in zip(gap_starts[keep].tolist(), (gap_ends - gap_starts)[keep].tolist()):
+            if size >= MIN_EXTENT:
+                self.free(offset, size)
+            else:
+                scraps += size
+        c[ABANDONED] = scraps
+        self._swept, self._freed = int(c[FREE]) + scraps, 0
+
+    def worth_sweeping(self, nbytes: int) -> bool:
+        """Whether a ``sweep`` might find room for ``nbytes`` that ``allocate`` did not: the bytes on no row's
+        extent (free or abandoned) could hold it, and enough were freed since this process last swept (a heap whose
+        budget is spent is not swept again on every miss, only once this process, or the loose bytes, have
+        gained a step: at least the value, and 1/64 of the heap)."""
+        c = self.counters
+        loose, step = int(c[FREE]) + int(c[ABANDONED]), max(nbytes, int(c[END]) // 64)
+        return loose >= nbytes and (self._freed >= step or loose >= self._swept + step)
 
     def free(self, offset: int, nbytes: int) -> None:
         """Gives back an extent no row uses any more (onto the list of its class). Caller holds the writer lock."""
@@ -262,6 +327,7 @@ class Heap:
         self._pwrite(offset, np.array([int(c[head]), nbytes], "<u8"))  # the record first, then the head
         c[head] = offset + 1
         c[FREE] += nbytes
+        self._freed += nbytes
 
     def free_extents(self) -> tuple[list[tuple[int, int]], str | None]:
         """The ``(offset, size)`` of every extent on the free lists, and the first problem found walking them (an

@@ -302,6 +302,23 @@ class SlotState:
             self.changes[1] += 1
         return True
 
+    def empty_locked(self, rows: np.ndarray, release: Callable[[np.ndarray], None]) -> None:
+        """Unfills ``rows`` (distinct, each owned: its counter even and not 0) and calls ``release(rows)`` to give
+        back what they own, inside their seqlock window: a reader copying one retries, then finds it unfilled. The
+        caller holds the writer lock, in a change window (``publish``'s ``write``). A writer killed here leaves
+        the rows odd and unfilled (their extents lost, never handed to two rows; see ``publish``)."""
+        if not len(rows):
+            return
+        seq = self.seq_np[rows]
+        bits, byte = (1 << (rows & 7)).astype(np.uint8), rows >> 3
+        complete = ((self.filled_np[byte] & bits) != 0) & ((self.stale_np[byte] & bits) == 0)
+        self.seq_np[rows] = seq | 1
+        np.bitwise_and.at(self.filled_np, byte, ~bits)
+        release(rows)
+        even = (seq | 1) + np.uint32(1)
+        self.seq_np[rows] = np.where(even == 0, np.uint32(2), even)
+        self.changes[1] -= int(complete.sum())
+
     def mark_stale(self, rows: np.ndarray) -> int:
         """Marks the given rows stale (only those that are filled). Returns how many were newly marked."""
         self._require_writable()

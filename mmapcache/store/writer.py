@@ -7,6 +7,7 @@ asked to (damage found in a heap's counters or a row's extent is refused before 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,10 @@ class RowWriter:
             data is not None and shapes is None and (fd < 0 or data.ndim == 1 or row_bytes < _PAGE_BYTES)
             for data, shapes, fd, row_bytes in zip(self.data, self.shapes, store.data_fds, self._row_bytes))
         self._warned: set[str] = set()
+        # Rows whose values no reader will read again (a stream's ring: the positions every reader has passed), asked
+        # under the writer lock when a value finds no heap room: their extents are given back first (``_room``).
+        self.passed: Callable[[], np.ndarray] | None = None
+        self.waiting: dict[int, int] = {}  # with ``passed``: row -> the field that found no room (see ``gave_up``)
 
     def write(self, row: int, values: list[Any], owned: bool) -> None:
         """Copies a checked sample's values into ``row``. The caller holds the writer lock (``publish``), which
@@ -179,8 +184,12 @@ class RowWriter:
                 room = heap.allocate(value.nbytes, value.itemsize,
                                      budget_left(store.heap_counters, store.heap_budget), exact=old_capacity == 0)
                 if room is None:
-                    heap.counters[UNCACHED] += 1
-                    self._warn_uncached(self.fields[n])
+                    room = self._room(n, value, (old_offset, old_capacity))
+                if room is None:
+                    if self.passed is None:
+                        self.gave_up(n)
+                    else:  # a stream's producer tries again as readers move on (it calls gave_up if it stops)
+                        self.waiting[row] = n
                     raise NoRoom
                 taken.append((heap, *room))
                 plan.append((n, heap, *room, value, (old_offset, old_capacity)))
@@ -193,6 +202,48 @@ class RowWriter:
             store.index[n][row] = (offset, capacity, *value.shape)  # type: ignore[index]
         for _, heap, _, _, _, (unused_offset, unused_capacity) in plan:
             heap.free(unused_offset, unused_capacity)
+
+    def _room(self, n: int, value: np.ndarray, kept: tuple[int, int]) -> tuple[int, int] | None:
+        """Room for field ``n``'s value once ``allocate`` found none: the extents of rows no reader will read again
+        given back (``passed``), then, if enough bytes lie on no row's extent, the free lists rebuilt from what rows
+        own (``Heap.sweep``), and ``allocate`` asked again. ``kept`` is the extent of the row being written (the
+        caller made its counter odd, and frees that extent only once the new value is written; the room taken for
+        the row's earlier fields lies in other heaps)."""
+        store = self.store
+        heap, index = store.heaps[n], store.index[n]
+        assert heap is not None and index is not None
+        passed = self.passed() if self.passed is not None else np.empty(0, np.int64)
+        if len(passed):
+            # Checked first, for every field: a damaged extent is refused before any row changes.
+            for m in self.ragged:
+                other, extents = store.heaps[m], store.index[m]
+                assert other is not None and extents is not None
+                for row, (offset, capacity) in zip(passed.tolist(), extents[passed, :2].tolist()):
+                    other.check_extent(offset, capacity, self.fields[m].np_dtype.itemsize, row)
+            store.state.empty_locked(passed, self._give_back)
+        if not heap.worth_sweeping(value.nbytes):
+            return None
+        seq = store.state.seq_np
+        owned = np.flatnonzero((seq & 1 == 0) & (seq != 0))  # a row left odd by a writer that died owns nothing
+        heap.sweep(np.concatenate((index[owned, :2], np.array([kept], np.int64))))
+        return heap.allocate(value.nbytes, value.itemsize, budget_left(store.heap_counters, store.heap_budget))
+
+    def _give_back(self, rows: np.ndarray) -> None:
+        """Frees the heap extents of ``rows`` (being emptied: ``SlotState.empty_locked``)."""
+        for m in self.ragged:
+            heap, index = self.store.heaps[m], self.store.index[m]
+            assert heap is not None and index is not None
+            for offset, capacity in index[rows, :2].tolist():
+                heap.free(offset, capacity)
+            index[rows, :2] = 0
+
+    def gave_up(self, n: int) -> None:
+        """Counts a sample that passes through uncached for want of room in field ``n``'s heap (``mmapcache
+        inspect`` shows the count), and warns once per field."""
+        heap = self.store.heaps[n]
+        assert heap is not None
+        heap.counters[UNCACHED] += 1
+        self._warn_uncached(self.fields[n])
 
     def _warn_uncached(self, field: Field) -> None:
         if field.name in self._warned:
