@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from helpers.processes import join_all, kill_alive, running
-from helpers.stream_sources import Augmented, Captioned, Fresh, Growing, Refills, intact
+from helpers.stream_sources import Augmented, Captioned, Fresh, Growing, Refills, Swelling, intact
 from mmapcache import (
     CacheInUseError,
     CacheMismatchError,
@@ -35,6 +35,7 @@ from mmapcache import (
     StreamTimeoutError,
     UncachedFieldWarning,
     describe,
+    verify,
 )
 from mmapcache.fill.producer import SourceFactory, _next_run, produce
 from mmapcache.store.ring import epoch_order
@@ -172,6 +173,30 @@ def test_a_ring_of_ragged_values_has_the_heap_room_its_rewrites_need(cache_path:
             stats = ds.stream_stats
     assert stats["served"] + stats["computed"] == n * epochs
     assert stats["computed"] <= n * epochs // 20, stats  # (before: 140 of 360)
+
+
+def test_a_ring_planned_from_small_probes_keeps_what_its_heaps_hold(cache_path: str) -> None:
+    # The ring is planned from its first samples, which are small here (one word); every later value is 10 to 20
+    # times larger, so its heaps hold a fraction of what its slots could. Producers that found no room gave their
+    # values up, and the reader computed 258-265 of the 360 positions. Now a producer first frees the rows every
+    # reader has passed and rebuilds its free lists, then holds its values until readers move on: the heaps bound
+    # how far ahead it is. It gives a held position up only to a reader waiting for it.
+    n, epochs = 120, 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UncachedFieldWarning)  # (as above: the forked producers inherit the filters)
+        with MmapCachedDataset(cache_path, Swelling(n), stream=True, max_bytes=60_000, ragged=["tok"],
+                               on_miss="wait", wait_timeout=60) as ds, ds.produce(workers=2):
+            assert ds.stream_stats["slots"] == n  # (the probes' one-word values: every position fits, in slots)
+            loader = ds.loader(batch_size=8)
+            for _ in range(epochs):
+                for batch in loader:
+                    assert all(t == f"{i:>79};" * len(k) for t, k, i in zip(batch["text"], batch["tok"],
+                                                                             batch["i"].tolist()))
+            stats = ds.stream_stats
+            result = verify(cache_path)
+    assert stats["served"] + stats["computed"] == n * epochs
+    assert stats["computed"] <= n * epochs // 20, stats  # (before: 258-265 of 360)
+    assert result.ok, result.problems
 
 
 def test_ranks_share_one_ring_as_distributed_sampler_splits(cache_path: str) -> None:

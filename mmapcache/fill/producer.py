@@ -64,7 +64,9 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None, check_f
     reader = RowReader(store, recompute_stale=True)
     ring = Ring(store)
     registration = register_producer(path)
-    runs = _Runs(ring, reader, RowWriter(store), make_source(), check_finite)
+    writer = RowWriter(store)
+    writer.passed = ring.passed_rows  # a value without heap room first takes the room of values readers passed
+    runs = _Runs(ring, reader, writer, make_source(), check_finite)
     done = {"produced": 0, "skipped": 0, "failed": 0}
     poll, run = _IDLE_POLL[0], 1
     try:
@@ -79,10 +81,12 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None, check_f
             started, failed = time.perf_counter(), done["failed"]
             publish = runs.compute(qs, done)
             run = _next_run(ring.slots, (time.perf_counter() - started) / len(qs))
-            stored, offered, no_room = publish()
+            stored, offered, left = publish()
+            if left:
+                stored += _publish_when_room(ring, writer, left, stop, store)
             done["produced"] += stored
             done["skipped"] += offered - stored
-            if no_room or (done["failed"] > failed and not stored):
+            if left or (done["failed"] > failed and not stored):
                 # A full heap (max_bytes) or a sample that fails: the position is abandoned or released, and its
                 # reader computes it. While the ring is full it is the one position to claim again: back off
                 # instead of spinning on it.
@@ -102,7 +106,50 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None, check_f
     return done
 
 
-Publish = Callable[[], tuple[int, int, int]]  # publishes a computed run: (stored, offered, left for want of room)
+# Publishes a computed run: (stored, offered, the items left for want of heap room, still claimed: Ring.publish).
+Publish = Callable[[], tuple[int, int, list[tuple[int, Any]]]]
+
+
+def _publish_when_room(ring: Ring, writer: RowWriter, left: list[tuple[int, Any]], stop: Any, store: Store) -> int:
+    """Publishes ``left`` (claimed positions whose values found no heap room) as readers pass the positions before
+    them and their values' room is given back, polling with back-off; gives up what still finds none once readers
+    reach them (``Ring.room_may_come``), or when told to stop. The ring's heaps, not only its slots, then bound how
+    far ahead producers are: planned from a few probes, a ring may have more slots than the heaps hold values.
+    A position a reader waits for (``Ring.waited_for``) is given up at once. Returns how many it published; the
+    claims of the rest are released (their readers compute them), and they are counted as passing through uncached
+    (``RowWriter.gave_up``)."""
+    stored, poll, low = 0, _IDLE_POLL[0], ring.low()
+
+    def give_up(items: list[tuple[int, Any]]) -> None:
+        for q, _ in items:
+            ring.release(q)
+            writer.gave_up(writer.waiting.pop(q % ring.slots, writer.ragged[0]))
+    try:
+        while left and not (stop is not None and stop.is_set()):
+            # A reader waiting for one of them computes it (its cursor moves only after its batch): give it up.
+            wanted = [ring.waited_for(q) for q, _ in left]
+            if any(wanted):
+                give_up([item for item, want in zip(left, wanted) if want])
+                left = [item for item, want in zip(left, wanted) if not want]
+                continue
+            if not ring.room_may_come([q for q, _ in left]):
+                # Every position before them is passed: all that room is given back at this last try.
+                published, left = ring.publish(left)
+                stored += published
+                break
+            time.sleep(poll)
+            if ring.low() == low:
+                poll = min(2 * poll, _IDLE_POLL[1])
+                if store.moved():
+                    break
+                continue
+            low, poll = ring.low(), _IDLE_POLL[0]
+            published, left = ring.publish(left)
+            stored += published
+    finally:
+        give_up(left)
+        writer.waiting.clear()
+    return stored
 
 
 class _Runs:
@@ -148,8 +195,8 @@ class _Runs:
         def write(todo: np.ndarray) -> None:
             self.writer.write_rows(rows, columns, positions[todo])
 
-        def publish() -> tuple[int, int, int]:
-            return self.ring.publish_rows(keys, write), len(keys), 0
+        def publish() -> tuple[int, int, list[tuple[int, Any]]]:
+            return self.ring.publish_rows(keys, write), len(keys), []
         return publish, None
 
     def _each(self, qs: list[int], indices: list[int], samples: list[Any] | None, done: dict[str, int]) -> Publish:
@@ -165,9 +212,9 @@ class _Runs:
                 values = [v.copy() if type(v) is np.ndarray else v for v in values]
             items.append((q, functools.partial(self.writer.write, q % self.ring.slots, values)))
 
-        def publish() -> tuple[int, int, int]:
-            stored, no_room = self.ring.publish(items)
-            return stored, len(items), no_room
+        def publish() -> tuple[int, int, list[tuple[int, Any]]]:
+            stored, left = self.ring.publish(items)
+            return stored, len(items), left
         return publish
 
 

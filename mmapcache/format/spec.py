@@ -155,7 +155,11 @@ A producer claims ``q = max(next, low)`` (``low``: the smallest cursor in use) i
 lock on byte ``q % S`` of ``lock`` while it computes, and publishes the row with key ``q`` unless its consumer has
 passed it. A consumer reads row ``q % S`` only if its key is ``q`` (filled, seqlock as above), and moves its cursor
 past ``q`` once the batch is handed to the training loop: no value is served twice, and a row is reused only once
-every cursor has passed it.
+every cursor has passed it. Under ``max_bytes`` the heaps, not only the slots, bound how far ahead producers are: a
+producer whose value finds no heap room first frees the extents of rows every cursor has passed (emptying them),
+then keeps its claim and publishes once cursors move on; it gives the position up (its consumer computes it) when
+a consumer waits for it, which that consumer says by holding a POSIX lock on byte ``2**41 + q % S`` of ``lock``
+while it waits.
 
 Format history
 --------------

@@ -160,12 +160,17 @@ def read_positions(ring: Ring, reader: Any, epoch: int, positions: np.ndarray, c
         if values is None and wait and q >= 0:
             started = time.monotonic_ns()
             poll = _WAIT_POLL[0]
-            while values is None and q < ring.low() + slots and not ring.abandoned(q):
-                if time.monotonic_ns() - started > timeout * 1e9:
-                    raise StreamTimeoutError(_timeout_message(ring, q, index, timeout))
-                time.sleep(poll)
-                poll = min(poll * 2, _WAIT_POLL[1])
-                values = reader.read_values(row, q)
+            said = ring.wait_for(q)
+            try:
+                while values is None and q < ring.low() + slots and not ring.abandoned(q):
+                    if time.monotonic_ns() - started > timeout * 1e9:
+                        raise StreamTimeoutError(_timeout_message(ring, q, index, timeout))
+                    time.sleep(poll)
+                    poll = min(poll * 2, _WAIT_POLL[1])
+                    values = reader.read_values(row, q)
+            finally:
+                if said:
+                    ring.done_waiting(q)
             stats["waited_ns"] += time.monotonic_ns() - started
         if values is None:
             values = compute(index)

@@ -48,6 +48,7 @@ _COUNTERS = {"produced": PRODUCED, "served": SERVED, "computed": COMPUTED, "wait
              "skipped": SKIPPED}
 _PROGRESS_BITS = 32  # progress word: epoch << 32 | (k + 1); 0 = the rank never read
 READER_LOCKS = 1 << 40  # a reader of rank r holds a POSIX lock on byte READER_LOCKS + r of `lock` (format.spec)
+WAIT_LOCKS = 1 << 41  # a reader waiting for row s's next value holds byte WAIT_LOCKS + s (format.spec)
 
 
 def epoch_order(seed: int, epoch: int, length: int) -> np.ndarray:
@@ -256,19 +257,61 @@ class Ring:
             return True
         return bool(self.state.under_lock(check))
 
-    def publish(self, items: list[tuple[int, Any]]) -> tuple[int, int]:
+    def publish(self, items: list[tuple[int, Any]]) -> tuple[int, list[tuple[int, Any]]]:
         """Stores the values of claimed positions ``items`` (``(q, write)``: ``write(owned)`` writes ``q``'s row)
         under one acquisition of the writer lock, skipping those every consumer has passed, and releases their
-        claims. Returns how many it stored, and how many it left for want of heap room (``NoRoom``)."""
+        claims. Returns how many it stored, and the items it left for want of heap room (``NoRoom``), still
+        claimed: the caller publishes them again once readers have passed more positions (``room_may_come``), or
+        gives them up (``release``)."""
         slots = self.slots
         no_room: list[int] = []
+        left: list[tuple[int, Any]] = []
         try:
             stored = self.state.publish_many([(q % slots, q, write) for q, write in items], no_room,
                                              wanted=self._unpassed)
-            self.count(produced=stored, skipped=len(items) - stored - len(no_room))
-            return stored, len(no_room)
+            rows = set(no_room)
+            left = [(q, write) for q, write in items if q % slots in rows]
+            self.count(produced=stored, skipped=len(items) - stored - len(left))
+            return stored, left
         finally:
-            self._release_run([q for q, _ in items])
+            held = {q for q, _ in left}
+            self._release_run([q for q, _ in items if q not in held])
+
+    def passed_rows(self) -> np.ndarray:
+        """The rows whose values no reader will read again: written whole (owned), holding positions every
+        consumer has passed (below ``low``). A producer that finds no heap room gives their extents back first
+        (``RowWriter.passed``): a ring planned from probes smaller than the values that come would otherwise drop
+        values while dead ones hold the room. Caller holds the writer lock."""
+        low = self.low()
+        if not low:
+            return np.empty(0, np.int64)
+        seq = self.state.seq_np
+        return np.flatnonzero((seq & 1 == 0) & (seq != 0) & (self.state.keys_np < low) & self.state.filled_mask())
+
+    def room_may_come(self, qs: list[int]) -> bool:
+        """Whether positions ``qs``, left for want of heap room, may find it later: values of positions before
+        them, which readers have not passed, still hold heap room (once every reader has passed the first of them,
+        everything before it is given back: a value that still finds no room is larger than what the ring can hold
+        next to those after it)."""
+        return self.low() < min(qs)
+
+    def wait_for(self, q: int) -> bool:
+        """Says, for a reader about to wait for position ``q``, that it waits (a producer holding ``q`` for want of
+        heap room then gives it up, and this reader computes it: ``waited_for``). The reader's cursor stays at its
+        batch's start while it reads the batch, so the room of the positions it already copied comes back only
+        after it. Returns whether to call ``done_waiting(q)`` after (another reader may say it already)."""
+        return self.claims.try_claim(WAIT_LOCKS + q % self.slots)
+
+    def done_waiting(self, q: int) -> None:
+        self.claims.release(WAIT_LOCKS + q % self.slots)
+
+    def waited_for(self, q: int) -> bool:
+        """Whether a reader (another process) waits for position ``q`` (``wait_for``)."""
+        row = WAIT_LOCKS + q % self.slots
+        if not self.claims.try_claim(row):
+            return True
+        self.claims.release(row)
+        return False
 
     def publish_rows(self, qs: np.ndarray, write: Any) -> int:
         """``publish`` for a claimed run whose values are a batch's columns (fixed-size fields): ``write(positions)``

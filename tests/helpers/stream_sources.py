@@ -105,3 +105,20 @@ class Captioned(Dataset):
 
         words = 1 + int(random.random() * 20)
         return {"text": f"{index:>79};" * words, "tok": torch.full((words,), index, dtype=torch.int64), "i": index}
+
+
+class Swelling(Captioned):
+    """``Captioned`` whose first ``small`` computations in a process (the probes its stream is planned from) are of
+    one word, and every later one of 10..20 words: a ring planned from the probes has room in its heaps for a
+    fraction of the values its slots could hold. (A forked producer goes on counting from its parent's count.)"""
+
+    def __init__(self, n: int = 120, small: int = 9) -> None:
+        super().__init__(n)
+        self.small, self.calls = small, 0
+
+    def __getitem__(self, index: int) -> Any:
+        import random
+
+        self.calls += 1
+        words = 1 if self.calls <= self.small else 10 + int(random.random() * 11)
+        return {"text": f"{index:>79};" * words, "tok": torch.full((words,), index, dtype=torch.int64), "i": index}
