@@ -536,6 +536,32 @@ def test_producers_killed_mid_write_never_show_a_torn_value(cache_path: str) -> 
         assert stats["served"] + stats["computed"] == 3 * N and stats["served"] > 0
 
 
+def test_producers_killed_while_short_of_heap_room_leave_a_sound_ring(cache_path: str) -> None:
+    """SIGKILLs on producers of values larger than the ring was planned for: producers that hold values for room,
+    empty passed rows and rebuild free lists are killed at any of those steps. Every value served is whole, and
+    ``verify`` finds the heaps sound (no extent listed free that a row owns, no two rows sharing bytes)."""
+    n, rng = 120, np.random.default_rng(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UncachedFieldWarning)
+        with MmapCachedDataset(cache_path, Swelling(n), stream=True, max_bytes=60_000, ragged=["tok"],
+                               seed=6) as ds:
+            loader = ds.loader(batch_size=8)
+            for _ in range(3):
+                producer = ds.produce(workers=2)
+                for k, batch in enumerate(loader):
+                    assert all(t == f"{i:>79};" * len(tok) for t, tok, i in zip(batch["text"], batch["tok"],
+                                                                               batch["i"].tolist()))
+                    if k % 3 == 2:
+                        time.sleep(float(rng.uniform(0, 0.004)))
+                        kill_alive(producer.processes)
+                        producer = ds.produce(workers=2)
+                producer.stop()
+            stats = ds.stream_stats
+            result = verify(cache_path)
+    assert stats["served"] + stats["computed"] == 3 * n and stats["served"] > 0
+    assert result.ok, result.problems
+
+
 def test_padding_positions_and_drop_last(cache_path: str) -> None:
     with MmapCachedDataset(cache_path, Fresh(10), stream=True, seed=8) as ds:
         loader = ds.loader(batch_size=2, rank=1, world_size=4, drop_last=True)
