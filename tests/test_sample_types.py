@@ -255,33 +255,43 @@ def _disjoint(extents: list[tuple[int, int]]) -> bool:
     return all(a + n <= b for (a, n), (b, _) in itertools.pairwise(ordered))
 
 
+class _Resized(torch.utils.data.Dataset):
+    """200 samples ``i`` of 4..300 int64s (a new size drawn at every computation), all equal to ``i``."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+
+    def __len__(self) -> int:
+        return 200
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((int(self.rng.integers(4, 300)),), i, dtype=torch.int64)
+
+
+def _rewrite_rounds(ds: MmapCachedDataset, rounds: int) -> list[tuple[int, ...]]:
+    """Refreshes half of the rows and fills them again, ``rounds`` times, checking after each that every heap byte
+    is accounted for and no byte is used twice; returns each round's heap counters."""
+    counters = []
+    for _ in range(rounds):
+        ds.refresh(fraction=0.5)
+        ds.fill()
+        end, capacity, abandoned, uncached, free = (int(x) for x in ds._store.heap_counters[0][:5])
+        used, free_extents = _extents(ds, 0)
+        assert end == sum(n for _, n in used) + free + abandoned  # every byte accounted for
+        assert sum(n for _, n in free_extents) == free
+        assert _disjoint(used + free_extents)
+        counters.append((end, capacity, abandoned, uncached, free))
+    assert all(bool((ds[i] == i).all()) for i in range(len(ds)))
+    return counters
+
+
 def test_rewrites_reuse_freed_space_so_fragmentation_stays_bounded(cache_path: str) -> None:
     """refresh + fill rewrite values of new sizes, over and over: a value that fits is written in place, a
     larger one moves and its old extent goes to the free lists, where later values find room. The heap stops
     growing, and no byte is ever used by two rows or by a row and a free list."""
-    rng = np.random.default_rng(0)
-
-    class Resized(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 200
-
-        def __getitem__(self, i: int) -> torch.Tensor:
-            return torch.full((int(rng.integers(4, 300)),), i, dtype=torch.int64)
-
-    ends = []
-    with MmapCachedDataset(cache_path, Resized(), deterministic=False, ragged=["<sample>"]) as ds:
+    with MmapCachedDataset(cache_path, _Resized(), deterministic=False, ragged=["<sample>"]) as ds:
         ds.fill()
-        for _ in range(40):
-            ds.refresh(fraction=0.5)
-            ds.fill()
-            end, _, abandoned, _, free = (int(x) for x in ds._store.heap_counters[0][:5])
-            used, free_extents = _extents(ds, 0)
-            live = sum(n for _, n in used)
-            assert end == live + free + abandoned  # every byte accounted for
-            assert sum(n for _, n in free_extents) == free
-            assert _disjoint(used + free_extents)
-            ends.append(end)
-        assert all((ds[i] == i).all() for i in range(200))
+        ends = [end for end, *_ in _rewrite_rounds(ds, 40)]
     # 200 values of 4..300 int64s: 242 KB live on average. Appending every moved value would add ~120 KB per
     # round (~5 MB after 40); reuse keeps the heap within a small multiple of the live data, and flat.
     assert ends[-1] <= 2.5 * 200 * 300 * 8 // 2, ends
@@ -293,31 +303,14 @@ def test_rewrites_under_a_heap_budget_find_room_in_the_space_moved_values_left(c
     moved values left were of every size, none on the lists a growing value looks in. A value that finds no room
     is now cut from a larger free extent, or the free lists are rebuilt from what rows own (adjacent free bytes
     joined): 140 values went uncached over the 30 rounds before."""
-    rng = np.random.default_rng(0)
-
-    class Resized(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 200
-
-        def __getitem__(self, i: int) -> torch.Tensor:
-            return torch.full((int(rng.integers(4, 300)),), i, dtype=torch.int64)
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UncachedFieldWarning)
-        with MmapCachedDataset(cache_path, Resized(), deterministic=False, ragged=["<sample>"],
+        with MmapCachedDataset(cache_path, _Resized(), deterministic=False, ragged=["<sample>"],
                                max_bytes=330_000) as ds:
             ds.fill()
-            for _ in range(30):
-                ds.refresh(fraction=0.5)
-                ds.fill()
-                end, capacity, abandoned, uncached, free = (int(x) for x in ds._store.heap_counters[0][:5])
-                used, free_extents = _extents(ds, 0)
-                assert end == sum(n for _, n in used) + free + abandoned  # every byte accounted for
-                assert sum(n for _, n in free_extents) == free
-                assert _disjoint(used + free_extents)
+            _, capacity, _, uncached, _ = _rewrite_rounds(ds, 30)[-1]
             assert capacity <= 330_000
             assert uncached <= 25, uncached  # (before: 140)
-            assert all(bool((ds[i] == i).all()) for i in range(200))
             assert verify(cache_path).ok
 
 

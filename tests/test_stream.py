@@ -153,6 +153,11 @@ def test_a_waiting_reader_computes_a_position_no_producer_can_store(cache_path: 
     assert stats["computed"] > 0 and stats["served"] + stats["computed"] == 32, stats
 
 
+def _captions_intact(batch: dict[str, Any]) -> bool:
+    """Whether each caption of a batch of ``Captioned`` samples is the one its index and token count make."""
+    return all(t == f"{i:>79};" * len(k) for t, k, i in zip(batch["text"], batch["tok"], batch["i"].tolist()))
+
+
 def test_a_ring_of_ragged_values_has_the_heap_room_its_rewrites_need(cache_path: str) -> None:
     # Each lap writes values of new sizes over the ring's rows; moved values leave free extents behind, and the
     # heaps level off above the live values. Planned at the probes' mean size (with a 16 KiB first growth step for
@@ -167,9 +172,7 @@ def test_a_ring_of_ragged_values_has_the_heap_room_its_rewrites_need(cache_path:
                                wait_timeout=60) as ds, ds.produce(workers=1):
             loader = ds.loader(batch_size=8)
             for _ in range(epochs):
-                for batch in loader:
-                    assert all(t == f"{i:>79};" * len(k) for t, k, i in zip(batch["text"], batch["tok"],
-                                                                             batch["i"].tolist()))
+                assert all(map(_captions_intact, loader))
             stats = ds.stream_stats
     assert stats["served"] + stats["computed"] == n * epochs
     assert stats["computed"] <= n * epochs // 20, stats  # (before: 140 of 360)
@@ -189,9 +192,7 @@ def test_a_ring_planned_from_small_probes_keeps_what_its_heaps_hold(cache_path: 
             assert ds.stream_stats["slots"] == n  # (the probes' one-word values: every position fits, in slots)
             loader = ds.loader(batch_size=8)
             for _ in range(epochs):
-                for batch in loader:
-                    assert all(t == f"{i:>79};" * len(k) for t, k, i in zip(batch["text"], batch["tok"],
-                                                                             batch["i"].tolist()))
+                assert all(map(_captions_intact, loader))
             stats = ds.stream_stats
             result = verify(cache_path)
     assert stats["served"] + stats["computed"] == n * epochs
@@ -549,8 +550,7 @@ def test_producers_killed_while_short_of_heap_room_leave_a_sound_ring(cache_path
             for _ in range(3):
                 producer = ds.produce(workers=2)
                 for k, batch in enumerate(loader):
-                    assert all(t == f"{i:>79};" * len(tok) for t, tok, i in zip(batch["text"], batch["tok"],
-                                                                               batch["i"].tolist()))
+                    assert _captions_intact(batch)
                     if k % 3 == 2:
                         time.sleep(float(rng.uniform(0, 0.004)))
                         kill_alive(producer.processes)
