@@ -89,7 +89,8 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None, check_f
             if left or (done["failed"] > failed and not stored):
                 # A full heap (max_bytes) or a sample that fails: the position is abandoned or released, and its
                 # reader computes it. While the ring is full it is the one position to claim again: back off
-                # instead of spinning on it.
+                # instead of spinning on it. Short of heap room, claim one position at a time: every position
+                # held for room is one a reader reaching it computes itself.
                 time.sleep(poll)
                 poll = min(2 * poll, _IDLE_POLL[1])
                 run = 1
