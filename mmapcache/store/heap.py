@@ -79,6 +79,12 @@ def size_class(nbytes: int) -> int:
     return (k - _MIN_EXTENT_LOG2) * _CLASSES_PER_DOUBLING + ((nbytes >> (k - 3)) & 7)
 
 
+def _size_classes(sizes: np.ndarray) -> np.ndarray:
+    """``size_class`` of each of ``sizes`` (int64, each ``>= MIN_EXTENT``)."""
+    k = np.frexp(sizes.astype(np.float64))[1].astype(np.int64) - 1  # floor(log2): exact below 2**53
+    return (k - _MIN_EXTENT_LOG2) * _CLASSES_PER_DOUBLING + ((sizes >> (k - 3)) & 7)
+
+
 def class_floor(cls: int) -> int:
     """The smallest extent size in class ``cls``."""
     k, sub = divmod(cls, _CLASSES_PER_DOUBLING)
@@ -292,18 +298,27 @@ class Heap:
         owned = owned[np.argsort(owned[:, 0], kind="stable")]
         gap_starts = np.concatenate(([0], np.maximum.accumulate(owned[:, 0] + owned[:, 1])))
         gap_ends = np.minimum(np.concatenate((owned[:, 0], [end])), end)
-        keep = gap_ends > gap_starts
-        c[HEADS:HEADS + CLASSES] = 0  # (emptied before the counts: never more counted than the lists hold)
-        c[FREE] = 0
+        sizes = gap_ends - gap_starts
+        listed = sizes >= MIN_EXTENT
+        scraps = int(sizes[(sizes > 0) & ~listed].sum())
+        # Each class's extents in offset order, each record holding the next one's offset + 1 (0: the last).
+        sizes, starts = sizes[listed], gap_starts[listed]
+        classes = _size_classes(sizes)
+        order = np.argsort(classes, kind="stable")
+        classes, starts, sizes = classes[order], starts[order], sizes[order]
+        first = np.concatenate(([True], classes[1:] != classes[:-1]))
+        following = np.zeros(len(starts), np.int64)
+        following[:-1] = np.where(first[1:], 0, starts[1:] + 1)
+        heads = np.zeros(CLASSES, np.uint64)
+        heads[classes[first]] = starts[first] + 1
+        c[FREE] = 0  # (counted nowhere while the lists change: never more counted than the lists hold)
         c[ABANDONED] = 0
-        scraps = 0
-        for offset, size in zip(gap_starts[keep].tolist(), (gap_ends - gap_starts)[keep].tolist()):
-            if size >= MIN_EXTENT:
-                self.free(offset, size)
-            else:
-                scraps += size
+        records = np.stack((following, sizes), axis=1).astype("<u8").view(np.uint8)
+        self.covering(end)[starts[:, None] + np.arange(MIN_EXTENT)] = records  # the records first, then the heads
+        c[HEADS:HEADS + CLASSES] = heads
+        c[FREE] = int(sizes.sum())
         c[ABANDONED] = scraps
-        self._swept, self._freed = int(c[FREE]) + scraps, 0
+        self._swept, self._freed = int(sizes.sum()) + scraps, 0
 
     def worth_sweeping(self, nbytes: int) -> bool:
         """Whether a ``sweep`` might find room for ``nbytes`` that ``allocate`` did not: the bytes on no row's
