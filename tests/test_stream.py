@@ -24,7 +24,15 @@ import torch
 from torch.utils.data import Dataset
 
 from helpers.processes import join_all, kill_alive, running
-from helpers.stream_sources import Augmented, Captioned, Fresh, Growing, Refills, Swelling, intact
+from helpers.stream_sources import (
+    Augmented,
+    Captioned,
+    Fresh,
+    Growing,
+    Refills,
+    Swelling,
+    intact,
+)
 from mmapcache import (
     CacheInUseError,
     CacheMismatchError,
@@ -535,6 +543,68 @@ def test_producers_killed_mid_write_never_show_a_torn_value(cache_path: str) -> 
             producer.stop()
         stats = ds.stream_stats
         assert stats["served"] + stats["computed"] == 3 * N and stats["served"] > 0
+
+
+def _wait_for_position(path: str, q: int, waiting: Any, done: Any) -> None:
+    """A reader's side of ``Ring.wait_for``: says it waits for position ``q`` until ``done`` is set."""
+    from mmapcache.store.ring import Ring
+    from mmapcache.store.store import Store
+
+    store = Store(path)
+    ring = Ring(store)
+    assert ring.wait_for(q)
+    waiting.set()
+    done.wait(60)
+    ring.done_waiting(q)
+
+
+def test_a_producer_short_of_room_gives_its_values_up_to_a_reader_waiting_past_the_claims(cache_path: str) -> None:
+    # A new-user trial: two ranks, on_miss="wait", values outgrowing max_bytes. Producers held their values for room
+    # while one rank waited for a position none had claimed (and the other for one of another batch): the cursors,
+    # and so the room, could not move, and a rank raised StreamTimeoutError after its wait_timeout (6 runs of 7).
+    # A producer holding values now gives them all up when a reader waits for a position no producer has claimed,
+    # and the one a reader waits for when it holds it.
+    from mmapcache.fill.producer import _publish_when_room
+    from mmapcache.store.ring import Ring
+    from mmapcache.store.state import NoRoom
+    from mmapcache.store.store import Store
+    from mmapcache.store.writer import RowWriter
+
+    MmapCachedDataset(cache_path, Captioned(50), stream=True, seed=1).close()
+    store = Store(cache_path)
+    ring, writer = Ring(store), RowWriter(store)
+    ctx = multiprocessing.get_context("fork")
+
+    def no_room(owned: bool) -> None:
+        writer.waiting[held % ring.slots] = writer.ragged[0]
+        raise NoRoom
+
+    try:
+        ring.set_progress(0, 1, 0, 0)  # a reader at position 0: no room comes back until it moves
+        # (what the reader waits for, relative to the held position; whether the producer gives its value up at once)
+        for offset, gives_up in ((0, True), (3, True), (-1, False)):
+            held = ring.claim(1)[0]
+            waited = held + offset  # (-1: a position already published, that another producer could be holding)
+            waiting, done = ctx.Event(), ctx.Event()
+            reader = ctx.Process(target=_wait_for_position, args=(cache_path, waited, waiting, done))
+            with running([reader]):
+                assert waiting.wait(60)
+                assert ring.waited_for(held) == (offset == 0) and ring.waited_past_claims() == (offset > 0)
+                told_to_stop = threading.Event()
+                timer = threading.Timer(1, told_to_stop.set)
+                timer.start()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UncachedFieldWarning)
+                    stored = _publish_when_room(ring, writer, [(held, no_room)], told_to_stop, store)
+                timer.cancel()
+                assert stored == 0
+                assert told_to_stop.is_set() != gives_up  # given up at once, or held until told to stop
+                done.set()
+                join_all([reader], 60)
+            assert not ring.waited_for(held) and not ring.waited_past_claims()
+    finally:
+        ring.close()
+        store.close()
 
 
 def test_producers_killed_while_short_of_heap_room_leave_a_sound_ring(cache_path: str) -> None:

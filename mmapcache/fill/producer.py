@@ -116,7 +116,8 @@ def _publish_when_room(ring: Ring, writer: RowWriter, left: list[tuple[int, Any]
     them and their values' room is given back, polling with back-off; gives up what still finds none once readers
     reach them (``Ring.room_may_come``), or when told to stop. The ring's heaps, not only its slots, then bound how
     far ahead producers are: planned from a few probes, a ring may have more slots than the heaps hold values.
-    A position a reader waits for (``Ring.waited_for``) is given up at once. Returns how many it published; the
+    A position a reader waits for is given up at once (``Ring.waited_for``), and all of them once a reader waits for
+    a position no producer has claimed (``Ring.waited_past_claims``). Returns how many it published; the
     claims of the rest are released (their readers compute them), and they are counted as passing through uncached
     (``RowWriter.gave_up``)."""
     stored, poll, low = 0, _IDLE_POLL[0], ring.low()
@@ -127,7 +128,10 @@ def _publish_when_room(ring: Ring, writer: RowWriter, left: list[tuple[int, Any]
             writer.gave_up(writer.waiting.pop(q % ring.slots, writer.ragged[0]))
     try:
         while left and not (stop is not None and stop.is_set()):
-            # A reader waiting for one of them computes it (its cursor moves only after its batch): give it up.
+            # A waiting reader's cursor cannot move until it is served: room comes no sooner. It computes a
+            # position it waits for; one that no producer claimed (they hold theirs) is claimed once these go.
+            if ring.waited_past_claims():
+                break
             wanted = [ring.waited_for(q) for q, _ in left]
             if any(wanted):
                 give_up([item for item, want in zip(left, wanted) if want])

@@ -296,10 +296,11 @@ class Ring:
         return self.low() < min(qs)
 
     def wait_for(self, q: int) -> bool:
-        """Says, for a reader about to wait for position ``q``, that it waits (a producer holding ``q`` for want of
-        heap room then gives it up, and this reader computes it: ``waited_for``). The reader's cursor stays at its
-        batch's start while it reads the batch, so the room of the positions it already copied comes back only
-        after it. Returns whether to call ``done_waiting(q)`` after (another reader may say it already)."""
+        """Says, for a reader about to wait for position ``q``, that it waits: producers holding values for want of
+        heap room then give that one up (``waited_for``), or all of theirs if no producer has claimed ``q``
+        (``waited_past_claims``), as the reader's cursor stays at its batch's start while it
+        reads the batch, and the room of the positions it already copied comes back only after it. Returns whether
+        to call ``done_waiting(q)`` after (another reader may say it already)."""
         return self.claims.try_claim(WAIT_LOCKS + q % self.slots)
 
     def done_waiting(self, q: int) -> None:
@@ -307,10 +308,25 @@ class Ring:
 
     def waited_for(self, q: int) -> bool:
         """Whether a reader (another process) waits for position ``q`` (``wait_for``)."""
-        row = WAIT_LOCKS + q % self.slots
-        if not self.claims.try_claim(row):
+        return self._waited(q % self.slots, 1)
+
+    def waited_past_claims(self) -> bool:
+        """Whether a reader waits for a position no producer has claimed yet (from ``next`` up to ``low + S``): a
+        producer holding values for heap room claims no more, and that reader's cursor, and so ``low``, cannot move
+        until the position is served."""
+        low = self.low()
+        first, end = int(self.words[NEXT]), low + self.slots
+        if first >= end:
+            return False
+        row, count = first % self.slots, min(end - first, self.slots)
+        head = min(count, self.slots - row)
+        return self._waited(row, head) or (count > head and self._waited(0, count - head))
+
+    def _waited(self, row: int, count: int) -> bool:
+        """Whether another process holds the wait lock of any of rows ``row .. row + count - 1``."""
+        if not self.claims.try_claim(WAIT_LOCKS + row, count):
             return True
-        self.claims.release(row)
+        self.claims.release(WAIT_LOCKS + row, count)
         return False
 
     def publish_rows(self, qs: np.ndarray, write: Any) -> int:

@@ -122,3 +122,4 @@ class Swelling(Captioned):
         self.calls += 1
         words = 1 if self.calls <= self.small else 10 + int(random.random() * 11)
         return {"text": f"{index:>79};" * words, "tok": torch.full((words,), index, dtype=torch.int64), "i": index}
+
