@@ -471,6 +471,7 @@ def test_waiting_for_a_dead_producer_times_out_naming_it(cache_path: str) -> Non
                                                      r"running .*`mmapcache build .* --follow .* on_miss='compute'"):
             next(iter(loader))
         assert time.monotonic() - start < 30
+        assert ds.stream_stats["waited"] >= 1.0  # (the time waited is counted, though no batch was handed over)
 
 
 def test_stream_batches_with_workers_transforms_and_padding(cache_path: str) -> None:
@@ -605,6 +606,24 @@ def test_a_producer_short_of_room_gives_its_values_up_to_a_reader_waiting_past_t
     finally:
         ring.close()
         store.close()
+
+
+def test_a_producer_told_to_stop_while_holding_values_gives_them_up_in_a_streams_words(cache_path: str) -> None:
+    # No reader: the producer fills the heap, holds the next values for room that never comes, and gives them up
+    # when told to stop; its warning speaks of a stream's producers and readers (it spoke of a cache's accesses).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UncachedFieldWarning)
+        MmapCachedDataset(cache_path, Swelling(120), stream=True, max_bytes=60_000, ragged=["tok"]).close()
+    stop = threading.Event()
+    timer = threading.Timer(2, stop.set)
+    timer.start()
+    try:
+        with pytest.warns(UncachedFieldWarning, match=r"the stream at .* producers hold such values until readers "
+                                                      r"pass .* give up those that readers wait for or reach"):
+            done = produce(cache_path, SourceFactory(Swelling(120, small=0)), stop)
+    finally:
+        timer.cancel()
+    assert 0 < done["produced"] < 120 and stop.is_set()
 
 
 def test_producers_killed_while_short_of_heap_room_leave_a_sound_ring(cache_path: str) -> None:

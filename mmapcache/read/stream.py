@@ -164,6 +164,8 @@ def read_positions(ring: Ring, reader: Any, epoch: int, positions: np.ndarray, c
             try:
                 while values is None and q < ring.low() + slots and not ring.abandoned(q):
                     if time.monotonic_ns() - started > timeout * 1e9:
+                        # (The batch's counts are added when it is handed over, which this one never is.)
+                        ring.count(waited_ns=stats["waited_ns"] + time.monotonic_ns() - started)
                         raise StreamTimeoutError(_timeout_message(ring, q, index, timeout))
                     time.sleep(poll)
                     poll = min(poll * 2, _WAIT_POLL[1])

@@ -252,11 +252,16 @@ class RowWriter:
         budget = self.store.heap_budget
         why = f"the cache's heap budget ({budget} bytes, from max_bytes)" if budget is not None else \
             "the file system"
-        warn(
-            f"the cache at {self.store.path} has no room left in {why} for field {field.name!r}: further samples "
-            "that need room pass through uncached (computed from the source on every access; `mmapcache inspect` "
-            "counts them). Give the cache a larger max_bytes, or free space", UncachedFieldWarning,
-        )
+        if self.store.meta["mode"] == "stream":
+            what = (f"the stream at {self.store.path} has no room left in {why} for field {field.name!r}: producers "
+                    "hold such values until readers pass the values before them, and give up those that readers "
+                    "wait for or reach; the readers compute them (`mmapcache inspect` counts them). Give the "
+                    "stream a larger max_bytes")
+        else:
+            what = (f"the cache at {self.store.path} has no room left in {why} for field {field.name!r}: further "
+                    "samples that need room pass through uncached (computed from the source on every access; "
+                    "`mmapcache inspect` counts them). Give the cache a larger max_bytes, or free space")
+        warn(what, UncachedFieldWarning)
 
 
 
