@@ -61,7 +61,9 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         fingerprint: a string identifying the source (e.g. a hash of its file list and preprocessing config);
             opening a cache made with another fingerprint raises ``CacheMismatchError``.
         overwrite: replace an existing cache whose length, fingerprint, layout or options differ, instead of
-            raising ``CacheMismatchError``. A matching cache is kept, so every rank may pass True.
+            raising ``CacheMismatchError``; with it, a cache recorded with another ``deterministic`` is replaced too
+            (without it, a source declared random reads a deterministic one's stored samples). A matching cache is
+            kept, so every rank may pass True.
         max_bytes: cache only as many samples as fit in this many bytes (an int or a size like ``"8G"``); the
             others pass straight through to the source on every access.
         cache_indices: which source indices may be cached (default: the first ones that fit).

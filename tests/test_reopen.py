@@ -65,6 +65,13 @@ def test_nondeterministic_source_is_checked_for_layout_only(cache_path: str) -> 
         assert sample_equal(ds[0], Scaled(8, scale=1.0)[0])  # the stored copy, as declared acceptable
     with pytest.raises(CacheMismatchError, match="layout differs"):
         MmapCachedDataset(cache_path, ImageLabels(8), deterministic=False)  # uint8 where float32 was stored
+    # Asked to overwrite, a source declared random gets a cache made with its options: the stored copies of the
+    # source that made the cache as deterministic were kept and served (a source changed to augment at random was
+    # never augmented). Reopened the same way, that cache is kept.
+    with MmapCachedDataset(cache_path, Scaled(8, scale=3.0), deterministic=False, overwrite=True) as ds:
+        assert sample_equal(ds[0], Scaled(8, scale=3.0)[0])
+    with MmapCachedDataset(cache_path, Scaled(8, scale=4.0), deterministic=False, overwrite=True) as ds:
+        assert sample_equal(ds[0], Scaled(8, scale=3.0)[0])  # (a random source: its stored draw, as declared)
 
 
 def test_fingerprintless_opener_of_a_fingerprinted_cache_must_match_its_first_sample(cache_path: str) -> None:

@@ -106,7 +106,7 @@ def _open_or_create(request: Request, source: Source | None, locked: bool = Fals
         store = Store(path)
         if source is None:
             return store, False
-        problem = _mismatch(store, request, source)
+        problem = _mismatch(store, request, source) or _replaced_option(store, request, source)
         if problem is None:
             return store, False
         store.close()
@@ -116,7 +116,7 @@ def _open_or_create(request: Request, source: Source | None, locked: bool = Fals
         _admin.sweep(os.path.dirname(path))
         if os.path.exists(path):  # another process created it meanwhile (or it is the mismatched one)
             store = Store(path)
-            problem = _mismatch(store, request, source)
+            problem = _mismatch(store, request, source) or _replaced_option(store, request, source)
             if problem is None:
                 store.attach()  # under the lock: a sweep by another creator must see it used
                 return store, False
@@ -131,6 +131,17 @@ def _open_or_create(request: Request, source: Source | None, locked: bool = Fals
 
 
 # --- is it the same source? -------------------------------------------------------------------------------------
+
+
+def _replaced_option(store: Store, request: Request, source: Source) -> str | None:
+    """With ``overwrite``, a recorded option the opener declares otherwise, which ``_mismatch`` lets pass (a source
+    declared random reads a cache made as deterministic, taking its stored samples): the opener asked for a cache
+    made with its options. (A source changed to augment at random, opened with ``deterministic=False,
+    overwrite=True``, was served the stored samples of the old source, never augmented.)"""
+    if request.overwrite and store.meta["deterministic"] != source.deterministic:
+        return (f"deterministic={store.meta['deterministic']} in the cache, deterministic={source.deterministic} "
+                "given")
+    return None
 
 
 def _mismatch(store: Store, request: Request, source: Source) -> str | None:
