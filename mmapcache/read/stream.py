@@ -163,6 +163,9 @@ def read_positions(ring: Ring, reader: Any, epoch: int, positions: np.ndarray, c
             said = ring.wait_for(q)
             try:
                 while values is None and q < ring.low() + slots and not ring.abandoned(q):
+                    # (Taken again if it was not: a producer tests the lock by taking it for an instant, and a reader
+                    # that found it taken then, and said nothing, waited for a producer holding q for room.)
+                    said = said or ring.wait_for(q)
                     if time.monotonic_ns() - started > timeout * 1e9:
                         # (The batch's counts are added when it is handed over, which this one never is.)
                         ring.count(waited_ns=stats["waited_ns"] + time.monotonic_ns() - started)

@@ -300,7 +300,8 @@ class Ring:
         heap room then give that one up (``waited_for``), or all of theirs if no producer has claimed ``q``
         (``waited_past_claims``), as the reader's cursor stays at its batch's start while it
         reads the batch, and the room of the positions it already copied comes back only after it. Returns whether
-        to call ``done_waiting(q)`` after (another reader may say it already)."""
+        to call ``done_waiting(q)`` after; False if another process holds the lock (another reader, or a producer
+        testing it for an instant: call again while waiting)."""
         return self.claims.try_claim(WAIT_LOCKS + q % self.slots)
 
     def done_waiting(self, q: int) -> None:
