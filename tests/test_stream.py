@@ -462,6 +462,17 @@ def test_producers_checking_their_stop_flag_when_killed_never_block_the_others(c
         assert not blocked, "stop() blocked on a lock a killed process held"
 
 
+def test_a_stream_reopened_with_another_max_bytes_names_its_ring(cache_path: str) -> None:
+    # (It said the stream was "made from a different source" and counted "cacheable samples (the first ones)".)
+    MmapCachedDataset(cache_path, Fresh(1000), stream=True, max_bytes=20_000).close()
+    with pytest.raises(CacheMismatchError, match=r"made from a different source or with other options: a ring of "
+                                                 r"\d+ slots in the stream, 1000 with max_bytes=10000000; open it "
+                                                 r"without max_bytes to use the recorded ring"):
+        MmapCachedDataset(cache_path, Fresh(1000), stream=True, max_bytes=10_000_000)
+    with MmapCachedDataset(cache_path, Fresh(1000), stream=True) as ds:  # (the recorded ring)
+        assert ds.stream_stats["slots"] < 1000
+
+
 def test_waiting_for_a_dead_producer_times_out_naming_it(cache_path: str) -> None:
     with MmapCachedDataset(cache_path, Fresh(N), stream=True, seed=3, on_miss="wait", wait_timeout=1.0) as ds:
         loader = ds.loader(batch_size=16)

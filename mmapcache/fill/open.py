@@ -180,6 +180,9 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
         slots, index, _ = options.plan(store.layout, source.length, meta["variants"])
         wanted = np.arange(slots) if index is None else index
         have = np.arange(store.slots) if store.slot_index is None else store.slot_index
+        if not np.array_equal(wanted, have) and meta["mode"] == "stream":
+            return (f"a ring of {store.slots} slots in the stream, {slots} with max_bytes={options.max_bytes}; open "
+                    "it without max_bytes to use the recorded ring")
         if not np.array_equal(wanted, have):
             given = ", ".join(f"{name}={value}" for name, value in (
                 ("max_bytes", options.max_bytes),
@@ -289,8 +292,9 @@ def _stored_rows(store: Store, rows: RowMap, first: int) -> list[tuple[int, int]
 
 def _mismatch_message(path: str, problem: str, just_created: bool = False) -> str:
     when = ", just created by another process," if just_created else ""
-    return (f"the cache at {path}{when} was made from a different source: {problem}. Replace it (overwrite=True in "
-            f"Python; on the command line `mmapcache rm {path}`, then build again), or use another path")
+    return (f"the cache at {path}{when} was made from a different source or with other options: {problem}. Replace "
+            f"it (overwrite=True in Python; on the command line `mmapcache rm {path}`, then build again), or use "
+            "another path")
 
 
 def _replaced_message(path: str, expected: dict[str, Any], found: dict[str, Any]) -> str:
