@@ -138,7 +138,7 @@ def _check_state(store: Store, result: VerifyResult) -> None:
     _check_keys(store, complete, result)
     # What a writer takes as the row's own heap extents, to reuse or free (see SlotState.publish): every row written
     # whole, whether or not its filled bit still says so.
-    _check_heaps(store, complete, ~odd & (state.seq_np != 0), result)
+    _check_heaps(store, complete, state.owned_mask(), result)
     if store.meta["mode"] == "stream":
         _check_ring(store, result)
     share = RowMap.of(store).share

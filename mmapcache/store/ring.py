@@ -285,8 +285,8 @@ class Ring:
         low = self.low()
         if not low:
             return np.empty(0, np.int64)
-        seq = self.state.seq_np
-        return np.flatnonzero((seq & 1 == 0) & (seq != 0) & (self.state.keys_np < low) & self.state.filled_mask())
+        state = self.state
+        return np.flatnonzero(state.owned_mask() & (state.keys_np < low) & state.filled_mask())
 
     def room_may_come(self, qs: list[int]) -> bool:
         """Whether positions ``qs``, left for want of heap room, may find it later: values of positions before

@@ -129,6 +129,13 @@ class SlotState:
         """Boolean array over all rows: filled bit set."""
         return np.unpackbits(self.filled_np, bitorder="little", count=self.rows).astype(bool)
 
+    def owned_mask(self) -> np.ndarray:
+        """Boolean array over all rows: written whole (counter even and not 0), so the heap extents its index
+        records are the row's own, to reuse or free, filled bit or not (a row whose writer died is odd, and owns
+        nothing: see ``publish``)."""
+        seq = self.seq_np
+        return (seq & 1 == 0) & (seq != 0)
+
     def stale_mask(self) -> np.ndarray:
         return np.unpackbits(self.stale_np, bitorder="little", count=self.rows).astype(bool)
 

@@ -223,8 +223,7 @@ class RowWriter:
             store.state.empty_locked(passed, self._give_back)
         if not heap.worth_sweeping(value.nbytes):
             return None
-        seq = store.state.seq_np
-        owned = np.flatnonzero((seq & 1 == 0) & (seq != 0))  # a row left odd by a writer that died owns nothing
+        owned = np.flatnonzero(store.state.owned_mask())
         heap.sweep(np.concatenate((index[owned, :2], np.array([kept], np.int64))))
         return heap.allocate(value.nbytes, value.itemsize, budget_left(store.heap_counters, store.heap_budget))
 
