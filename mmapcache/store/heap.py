@@ -290,8 +290,8 @@ class Heap:
         extents, abandoned scraps, the extents of writers that died) is free, and adjacent ones become one extent.
         Moved values leave extents of every size, none large enough for a value that grows: this joins them.
         Bytes that an ``owned`` extent covers are never freed, even where extents overlap (damage). A writer killed
-        during a sweep leaves part of the free space on no list (counted nowhere), never a listed extent that a row
-        owns. Caller holds the writer lock."""
+        during a sweep leaves the free space on no list (counted nowhere), never a listed extent that a row owns.
+        Caller holds the writer lock."""
         c = self.counters
         end = int(c[END])
         owned = owned[owned[:, 1] > 0]
@@ -311,10 +311,13 @@ class Heap:
         following[:-1] = np.where(first[1:], 0, starts[1:] + 1)
         heads = np.zeros(CLASSES, np.uint64)
         heads[classes[first]] = starts[first] + 1
-        c[FREE] = 0  # (counted nowhere while the lists change: never more counted than the lists hold)
+        # The lists emptied first, then the records written, then the new heads: a writer killed while the records
+        # are written (into bytes an old list may run through) leaves empty lists, counted as such.
+        c[HEADS:HEADS + CLASSES] = 0
+        c[FREE] = 0
         c[ABANDONED] = 0
         records = np.stack((following, sizes), axis=1).astype("<u8").view(np.uint8)
-        self.covering(end)[starts[:, None] + np.arange(MIN_EXTENT)] = records  # the records first, then the heads
+        self.covering(end)[starts[:, None] + np.arange(MIN_EXTENT)] = records
         c[HEADS:HEADS + CLASSES] = heads
         c[FREE] = int(sizes.sum())
         c[ABANDONED] = scraps
