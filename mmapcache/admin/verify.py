@@ -63,7 +63,8 @@ class VerifyResult:
 def verify(path: str | os.PathLike[str], dataset: Any = None, *, kwargs: dict[str, Any] | None = None,
            samples: int | None = 100, seed: int | None = None) -> VerifyResult:
     """Checks the cache at ``path``; with ``dataset``, recomputes filled samples and compares them byte for byte.
-    Safe across processes: it registers as a user of the cache while it reads.
+    Safe across processes: it registers as a user of the cache while it reads, and checks the state files, heaps and
+    ring under the writer lock (writers running meanwhile wait for those checks, not for the comparison).
 
     Args:
         path: the cache directory (a bare name resolves under ``$MMAPCACHE_DIR``).
@@ -91,7 +92,9 @@ def verify(path: str | os.PathLike[str], dataset: Any = None, *, kwargs: dict[st
     result = VerifyResult(path, rows=store.rows, stream=store.meta["mode"] == "stream")
     try:
         store.attach()  # a user while it reads: `mmapcache rm` without --force refuses to remove it meanwhile
-        _check_state(store, result)
+        # Under the writer lock: a writer running meanwhile (a producer, a build) moves rows, extents and free
+        # lists while they are read, which looked like damage (overlapping extents, free lists off their counter).
+        store.state.still(lambda: _check_state(store, result))
         if dataset is not None:
             if len(dataset) != store.length:
                 result.mismatch = (f"the source has {len(dataset)} samples, the cache {store.length}: the cache was "

@@ -192,6 +192,14 @@ class SlotState:
         with self.lock:
             return change()
 
+    def still(self, look: Callable[[], T]) -> T:
+        """Runs ``look()`` under the writer lock, on a read-only opening too, and returns its result: no writer
+        changes the state files, the heaps or the ring meanwhile, so a check that reads several of them together
+        (``verify``) sees one moment of the cache, not a writer's change half made. Writers wait for it: keep
+        ``look`` short (no source calls). Safe across processes and threads."""
+        with self.lock:
+            return look()
+
     def publish(self, row: int, key: int, write: Callable[[bool], None],
                 wanted: Callable[[], bool] | None = None) -> bool:
         """Stores row ``row`` (holding source index ``key``) by calling ``write(owned)`` under the lock, unless it is
