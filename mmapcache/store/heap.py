@@ -49,6 +49,7 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -123,8 +124,7 @@ class Heap:
         self.size = 0
         # The loose bytes after this process's last sweep, and the bytes it freed since (worth_sweeping).
         self._swept, self._freed = -1 << 62, 0
-        self.remap()
-        self.check_counters()
+        self.remap()  # (the opener checks the counters next: check_opened)
 
     def _damaged(self, problem: str) -> CacheFormatError:
         directory = os.path.dirname(self.path)
@@ -133,25 +133,39 @@ class Heap:
 
     def check_counters(self) -> None:
         """Raises ``CacheFormatError`` unless this heap's counters describe its file: ``end <= capacity <= size``
-        (the file's size) and ``free <= end``. Checked when the heap is opened, and by a writer before it changes
-        anything (holding the writer lock), so that no write lands past what ``posix_fallocate`` reserved.
+        (the file's size) and ``free + abandoned <= end``. Checked by a writer before it changes anything (holding
+        the writer lock), so that no write lands past what ``posix_fallocate`` reserved; an opener calls
+        ``check_opened``."""
+        problem = self._counters_problem()
+        if problem is not None:
+            raise self._damaged(problem)
 
-        An opener takes no lock, so each bound is read after what it bounds: ``free`` and ``abandoned``, then
-        ``end``, ``capacity`` and the file's size, which only grow, and in that order (a writer grows the file before
-        it raises ``capacity``, and ``capacity`` before ``end``). (The size read first, while another process grew
-        the heap, had a sound cache reported damaged, with the advice to remove it.)"""
+    def check_opened(self, still: Callable[[Callable[[], None]], None]) -> None:
+        """``check_counters`` for an opener, which takes no lock: each bound is read after what it bounds (``free``
+        and ``abandoned``, then ``end``, ``capacity`` and the file's size, which only grow, and in that order: a
+        writer grows the file before it raises ``capacity``, and ``capacity`` before ``end``). The size read
+        first, while another process grew the heap, had a sound cache reported damaged, with the advice to remove
+        it. ``free`` and ``abandoned`` both move, both ways, when a writer sweeps, and read apart may add up past
+        ``end``: a failed check is repeated under the writer lock (``still``: ``SlotState.still``), where no
+        writer moves them, before it is believed."""
+        if self._counters_problem() is not None:
+            still(self.check_counters)
+
+    def _counters_problem(self) -> str | None:
+        """What is wrong with the counters (None: nothing), read in ``check_opened``'s order."""
         c = self.counters
         free, abandoned, uncached = int(c[FREE]), int(c[ABANDONED]), int(c[UNCACHED])
         end = int(c[END])
         capacity = int(c[CAPACITY])
         size = os.fstat(self.fd).st_size
         if not 0 <= end <= capacity <= size:
-            raise self._damaged(f"its counters in heaps.u64 say {end} bytes are in use of {capacity} reserved, but "
-                                f"the file has {size} bytes (need used <= reserved <= file size): the file or "
-                                "heaps.u64 is truncated or overwritten")
+            return (f"its counters in heaps.u64 say {end} bytes are in use of {capacity} reserved, but the file has "
+                    f"{size} bytes (need used <= reserved <= file size): the file or heaps.u64 is truncated or "
+                    "overwritten")
         if free + abandoned > end or uncached >= 1 << 63:
-            raise self._damaged(f"its counters in heaps.u64 say {free} bytes are free and {abandoned} abandoned of "
-                                f"{end} in use, and {uncached} samples were not stored")
+            return (f"its counters in heaps.u64 say {free} bytes are free and {abandoned} abandoned of {end} in use, "
+                    f"and {uncached} samples were not stored")
+        return None
 
     def check_extent(self, offset: int, capacity: int, align: int, row: int) -> None:
         """Raises ``CacheFormatError`` unless ``[offset, offset + capacity)``, row ``row``'s extent as its index

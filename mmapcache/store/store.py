@@ -116,6 +116,9 @@ class Store:
             self.slot_index = self._read_slot_index()
             self.state = SlotState(path, self.rows, writable)
             self.state.check_consistency(path)
+            for heap in self.heaps:
+                if heap is not None:
+                    heap.check_opened(self.state.still)
         except CacheFormatError:
             self._finalizer()
             if self.moved():  # files vanished because the cache was removed meanwhile, not damaged

@@ -291,6 +291,28 @@ class Widening(Dataset):
         return torch.full((8192 + index % 50,), index, dtype=torch.int64)
 
 
+def counter_sweeper(path: str, rounds: int) -> None:
+    """Moves a heap's loose bytes between its free and abandoned counters, under the writer lock and in a sweep's
+    order (both zeroed, then free set, then abandoned), ``rounds`` times; then puts the counters back."""
+    from mmapcache.store.heap import ABANDONED, END, FREE
+    from mmapcache.store.store import Store
+
+    store = Store(path, writable=True)
+    heap = next(heap for heap in store.heaps if heap is not None)
+    c = heap.counters
+    free, abandoned, end = int(c[FREE]), int(c[ABANDONED]), int(c[END])
+    loose = end * 3 // 5  # alone within the heap's used bytes; free from one reading and abandoned from another: not
+    try:
+        for k in range(rounds):
+            with store.state.lock:
+                c[FREE] = c[ABANDONED] = 0
+                c[FREE], c[ABANDONED] = (loose, 0) if k % 2 else (0, loose)
+    finally:
+        with store.state.lock:
+            c[FREE], c[ABANDONED] = free, abandoned
+        store.close()
+
+
 def widening_filler(path: str, n: int) -> None:
     """Stores ``Widening(n)`` one sample at a time."""
     with MmapCachedDataset(path, Widening(n), ragged=["<sample>"]) as ds:
