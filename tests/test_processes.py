@@ -306,6 +306,25 @@ def test_fillers_of_interleaved_indices_lose_no_filled_bit(cache_path: str) -> N
         assert all(sample_equal(ds[i], Small(n)[i]) for i in range(0, n, 997))
 
 
+def _open_while(path: str, target: Any, *args: Any) -> tuple[int, list[str]]:
+    """Opens the cache at ``path`` over and over while another process runs ``target(*args)``, which must exit 0;
+    returns how many opens succeeded and the messages of those refused."""
+    writer = another_process().Process(target=target, args=args)
+    writer.start()
+    opened, refused = 0, []
+    try:
+        while writer.is_alive():
+            try:
+                MmapCachedDataset(path).close()
+                opened += 1
+            except CacheFormatError as exc:
+                refused.append(str(exc))
+    finally:
+        codes = join_all([writer], timeout=60)
+    assert codes == [0]
+    return opened, refused
+
+
 def test_a_cache_opened_while_a_writer_sweeps_its_heap_is_sound(cache_path: str) -> None:
     # A sweep moves a heap's loose bytes between its free and abandoned counters, which a lock-free opener read
     # apart: free from before the sweep and abandoned from after could add up past the used bytes, and a sound cache
@@ -313,19 +332,7 @@ def test_a_cache_opened_while_a_writer_sweeps_its_heap_is_sound(cache_path: str)
     n, rounds = 20, 200_000
     with MmapCachedDataset(cache_path, Widening(n), ragged=["<sample>"]) as ds:
         ds.fill()
-    sweeper = another_process().Process(target=counter_sweeper, args=(cache_path, rounds))
-    sweeper.start()
-    opened, refused = 0, []
-    try:
-        while sweeper.is_alive():
-            try:
-                MmapCachedDataset(cache_path).close()
-                opened += 1
-            except CacheFormatError as exc:
-                refused.append(str(exc))
-    finally:
-        codes = join_all([sweeper], timeout=60)
-    assert codes == [0]
+    opened, refused = _open_while(cache_path, counter_sweeper, cache_path, rounds)
     assert not refused, refused[:2]
     assert opened >= 100  # (the opens overlapped the sweeps)
     assert mmapcache.verify(cache_path).ok  # (the counters were put back)
@@ -336,19 +343,7 @@ def test_a_cache_opened_while_another_process_grows_its_heap_is_sound(cache_path
     # had a sound cache reported damaged, with the advice to remove it (2-3 of ~900 opens here).
     n = 3000
     MmapCachedDataset(cache_path, Widening(n), ragged=["<sample>"]).close()
-    writer = another_process().Process(target=widening_filler, args=(cache_path, n))
-    writer.start()
-    opened, refused = 0, []
-    try:
-        while writer.is_alive():
-            try:
-                MmapCachedDataset(cache_path).close()
-                opened += 1
-            except CacheFormatError as exc:
-                refused.append(str(exc))
-    finally:
-        codes = join_all([writer], timeout=60)
-    assert codes == [0]
+    opened, refused = _open_while(cache_path, widening_filler, cache_path, n)
     assert not refused, refused[:2]
     assert opened >= 100  # (the writer took long enough for the opens to overlap its growths)
     with MmapCachedDataset(cache_path, Widening(n)) as ds:
