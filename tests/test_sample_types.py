@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from helpers import tvlike
 from helpers.processes import another_process
-from mmapcache import LayoutError, MmapCachedDataset, PadCollate, Padded, UncachedFieldWarning, verify
+from mmapcache import LayoutError, MmapCachedDataset, PadCollate, Padded, UncachedFieldWarning, describe, verify
 from mmapcache.format.layout import MAX_FIELDS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -193,6 +193,8 @@ def test_a_full_heap_is_reported_by_build_counts_and_prefill(cache_path: str) ->
         stored = ds.fill()
     assert 0 < stored < ds.num_cacheable - 1 and ds.num_cached == stored + 1
     assert ds.uncached_by_heap > 0
+    heap = describe(cache_path)["fields"][0]["heap"]  # (what `mmapcache inspect` prints: times, not samples)
+    assert heap["uncached"] == ds.uncached_by_heap and f"no room for a value {heap['uncached']} times" in heap["text"]
     start = time.monotonic()
     ds.prefill(rank=0, world_size=1)  # must not wait out its patience for rows that cannot be stored
     assert time.monotonic() - start < 10

@@ -157,13 +157,14 @@ def _stream_report(store: Store) -> dict[str, Any]:
 
 def _heap_report(counters: np.ndarray) -> dict[str, Any]:
     """A ragged field's heap counters (see ``store.heap``): bytes used (values and their rows' slack), free for reuse,
-    abandoned, reserved on the file system, and samples passed through uncached for lack of room."""
+    abandoned, reserved on the file system, and how many times a sample passed through uncached for lack of room
+    (every access counts, not distinct samples)."""
     end, capacity, abandoned, uncached, free = (int(x) for x in counters[:5])
     used = end - free - abandoned
     text = (f"{format_size(used)} used, {format_size(free)} free for reuse, {format_size(abandoned)} abandoned, "
             f"{format_size(capacity)} reserved")
     if uncached:
-        text += f"; {uncached} samples passed through uncached: no room"
+        text += f"; no room for a value {uncached} times (every access counts): served uncached"
     return {"used": used, "free": free, "abandoned": abandoned, "end": end, "reserved": capacity,
             "uncached": uncached, "text": text}
 
