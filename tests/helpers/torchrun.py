@@ -23,7 +23,8 @@ def free_port() -> int:
 def torchrun(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     """Starts torchrun in its own session (so a hung job can be killed with all its ranks)."""
     command = [sys.executable, "-m", "torch.distributed.run", *args]
-    return subprocess.Popen(command, env={**os.environ, **env, "PYTHONPATH": TESTS, "OMP_NUM_THREADS": "1"},
+    return subprocess.Popen(command, env={**os.environ, **env, "PYTHONPATH": TESTS, "OMP_NUM_THREADS": "1",
+                                                   "PYTHONFAULTHANDLER": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
