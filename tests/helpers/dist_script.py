@@ -14,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from helpers.rank_exit import exit_now
 from helpers.sources import Counting, ImageLabels, sample_equal
 from mmapcache import MmapCachedDataset
 from mmapcache.distributed import local_rank_and_size
@@ -57,3 +58,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

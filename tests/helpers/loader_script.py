@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from helpers.rank_exit import exit_now
 from helpers.sources import Numbered
 from mmapcache import MmapCachedDataset
 
@@ -43,3 +44,4 @@ def _read(cache: str, samples: int) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+    exit_now()

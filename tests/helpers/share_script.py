@@ -15,6 +15,7 @@ import os
 import numpy as np
 import torch.distributed as dist
 
+from helpers.rank_exit import exit_now
 from helpers.sources import Counting, ImageLabels
 from mmapcache import MmapCachedDataset
 
@@ -61,3 +62,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

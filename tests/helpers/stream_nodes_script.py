@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from helpers.rank_exit import exit_now
 from helpers.sources import Counting
 from helpers.stream_sources import Fresh, intact
 from mmapcache import MmapCachedDataset
@@ -87,3 +88,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()
