@@ -4,7 +4,8 @@
 Runs a finished two-node job of plain torch DDP (gloo, CPU; 2 torchrun agents of 2 ranks on loopback; 3 epochs of 2
 steps, an all_reduce, a barrier, ``destroy_process_group``) ``RUNS`` times and counts the runs where a rank died
 after the job ('terminate called without an active exception', SIGABRT). With torch 2.13.0 on the suite's 2-core
-machine beside two busy loops: 4 of 20 runs; with ``--exit-at-once`` (``os._exit`` after the job): 0 of 14.
+machine beside two busy loops: 2 of 16 runs (4 of 20 with a first version of this job); with ``--exit-at-once``
+(``os._exit`` after the job): 0 of 16 (and 0 of 14).
 
     python3 tools/gloo_exit_repro.py [RUNS] [--exit-at-once]
 """
