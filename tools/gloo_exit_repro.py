@@ -77,8 +77,9 @@ def main(argv: list[str]) -> int:
             aborted = any("terminate called without an active exception" in out for out in outs)
             print(f"run {run}: exit codes {[p.returncode for p in procs]}"
                   f"{', a rank aborted: terminate called without an active exception' if aborted else ''}", flush=True)
-    print(f"{failed} of {runs} runs failed (torch {__import__('torch').__version__}"
-          f"{', ranks exit at once' if exit_at_once else ''})")
+    import torch
+
+    print(f"{failed} of {runs} runs failed (torch {torch.__version__}{', ranks exit at once' if exit_at_once else ''})")
     return 0
 
 

@@ -301,7 +301,7 @@ def counter_sweeper(path: str, rounds: int) -> None:
     heap = next(heap for heap in store.heaps if heap is not None)
     c = heap.counters
     free, abandoned, end = int(c[FREE]), int(c[ABANDONED]), int(c[END])
-    loose = end * 3 // 5  # alone within the heap's used bytes; free from one reading and abandoned from another: not
+    loose = end * 3 // 5  # within the used bytes alone; twice it (free and abandoned read apart) is past them
     try:
         for k in range(rounds):
             with store.state.lock:
