@@ -39,14 +39,16 @@ class VerifyResult:
     field that changed; ``differing``: how many samples differ, all told;
     ``mismatch``: why the given source cannot be the cache's (another length: not damage, another source);
     ``compared``: rows compared with the source; ``interrupted``: rows a dead writer left mid-write (they count
-    as unfilled and will be written again: not damage); ``uncomparable``: why a given source was not compared
-    (a source recorded as not deterministic, a stream)."""
+    as unfilled and will be written again: not damage); ``recounts``: counters a writer killed mid-change left off
+    what they count, which the next writer recounts (not damage); ``uncomparable``: why a given source was not
+    compared (a source recorded as not deterministic, a stream)."""
 
     path: str
     rows: int = 0
     filled: int = 0
     compared: int = 0
     interrupted: int = 0
+    recounts: list[str] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     differences: list[str] = dataclasses.field(default_factory=list)
     mismatch: str | None = None
@@ -141,7 +143,7 @@ def _check_state(store: Store, result: VerifyResult) -> None:
     _check_keys(store, complete, result)
     # What a writer takes as the row's own heap extents, to reuse or free (see SlotState.publish): every row written
     # whole, whether or not its filled bit still says so.
-    _check_heaps(store, complete, state.owned_mask(), result)
+    _check_heaps(store, complete, state.owned_mask(), bool(state.changes[0] & 1), result)
     if store.meta["mode"] == "stream":
         _check_ring(store, result)
     share = RowMap.of(store).share
@@ -195,11 +197,15 @@ def _check_ring(store: Store, result: VerifyResult) -> None:
         ring.close()
 
 
-def _check_heaps(store: Store, complete: np.ndarray, owned: np.ndarray, result: VerifyResult) -> None:
+def _check_heaps(store: Store, complete: np.ndarray, owned: np.ndarray, interrupted: bool,
+                 result: VerifyResult) -> None:
     """Per ragged field: the heap's counters fit its file; every complete row's value lies in its extent, inside
     the heap's used part, with its field's fixed dimensions; the extents of the other rows a writer would reuse
     (``owned``: written whole, yet no longer marked filled) lie there too; no two rows' extents overlap; the free
-    lists lie in the heap, hold extents of their size class, and as many bytes as their counter says."""
+    lists lie in the heap, hold extents of their size class, and as many bytes as their counter says, unless a
+    writer died mid-change (``interrupted``: the cache-wide change counter is odd, and no writer holds the lock),
+    which may have left the counter off its lists: the next writer recounts it (``SlotState``), and
+    ``recounts`` says so."""
     from ..store.heap import END, FREE
 
     rows = np.flatnonzero(complete)
@@ -248,6 +254,10 @@ def _check_heaps(store: Store, complete: np.ndarray, owned: np.ndarray, result: 
             result.problems.append(f"{store.path}/{spec['heap']}: extents {overlap[0][0]} and {overlap[0][1]} "
                                    "(offset, bytes) overlap: two rows, or a row and a free list, share bytes; the "
                                    "file is damaged")
+        elif sum(size for _, size in free) != int(counters[FREE]) and interrupted:
+            result.recounts.append(f"field {field.name!r}'s free counter says {int(counters[FREE])} bytes, its free "
+                                   f"lists hold {sum(size for _, size in free)}: a writer was killed between the "
+                                   "two stores; the next writer recounts it")
         elif sum(size for _, size in free) != int(counters[FREE]):
             result.problems.append(f"{store.path}/{fmt.HEAPS}: field {field.name!r}'s free lists hold "
                                    f"{sum(size for _, size in free)} bytes, its counter says {int(counters[FREE])}: "

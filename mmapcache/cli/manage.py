@@ -77,6 +77,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     verdict = "ok" if result.ok else "another source" if result.mismatch else \
         f"{len(result.problems)} problem(s), {result.differing} difference(s)"
     print(f"{path}: {verdict}: {result.filled} of {result.rows} rows filled{interrupted}{compared}")
+    for recount in result.recounts:
+        print(f"mmapcache: note: {recount} (not damage)")
     if result.changed_layout:
         print(f"mmapcache: the source's samples are not the cache's (another shape or type): the source or its "
               f"preprocessing changed since the cache was built. Build the cache again from it (`mmapcache rm "

@@ -103,12 +103,16 @@ that died mid-write: the row is treated as unfilled, and its old heap extents as
 complete rows (filled bit set, counter even, not stale). A writer makes ``changes`` odd before it changes any row or
 bit and even after, and keeps ``complete`` exact. A reader that finds ``changes`` even and ``complete == R`` before
 copying rows, and ``changes`` unchanged after, needs no per-row check: no writer touched anything meanwhile. A writer
-that finds ``changes`` odd (a writer died mid-change) counts ``complete`` again from the bits.
+that finds ``changes`` odd (a writer died mid-change) counts ``complete`` again from the bits, and each heap's
+``free`` from its free lists: every update of several words (a list's head and ``free``, a sweep) is made inside a
+change, so a kill between two of its stores leaves ``changes`` odd, and the words are recounted, never believed.
 
 ``lock``: empty. ``flock(LOCK_EX)`` on it is the writer lock: bitmaps, counters, keys and heap counters change,
-and rows are written, only under it. POSIX byte-range locks (``fcntl``) on byte ``c`` of the same file are build
-workers' claims on chunk ``c`` in mode "cache", and a producer's claim on row ``c`` in mode "stream" (Linux keeps
-the two kinds of lock independent); the kernel drops both when a holder dies.
+and rows are written, only under it. Exclusive byte-range locks (``fcntl``: open file description locks,
+``F_OFD_SETLK``, which belong to the descriptor that took them; POSIX record locks where the kernel lacks those,
+and the two kinds conflict with each other) on byte ``c`` of the same file are build workers' claims on chunk ``c``
+in mode "cache", and a producer's claim on row ``c`` in mode "stream" (Linux keeps ``flock`` and byte-range locks
+independent); the kernel drops them when a holder dies.
 
 ``users``: empty. Every process using the cache holds ``flock(LOCK_SH)`` on it; a process that can take
 ``LOCK_EX`` is the last user (used by ``delete_on_close`` and by ``rm`` to refuse caches in use).
@@ -148,17 +152,17 @@ rank ``n * L + r``'s part as ``DistributedSampler`` splits it; those past ``M`` 
   Rank ``r``'s words: its cursor, 0 (never read) or 1 + the next sequence number it will read from the ring; and
   its progress, 0 or ``epoch << 32 | (k + 1)``: it consumed its first ``k`` positions of ``epoch``. Counters
   change under the writer lock; a rank's words are written by that rank only: while a loader reads rank ``r``, its
-  process holds a POSIX lock on byte ``2**40 + r`` of ``lock``, and a second reader of that rank is refused.
+  process holds a byte-range lock on byte ``2**40 + r`` of ``lock``, and a second reader of that rank is refused.
 - ``producers``: empty; every producer holds ``flock(LOCK_SH)`` on it while it runs.
 
-A producer claims ``q = max(next, low)`` (``low``: the smallest cursor in use) if ``q < low + S``, holds a POSIX
+A producer claims ``q = max(next, low)`` (``low``: the smallest cursor in use) if ``q < low + S``, holds a byte-range
 lock on byte ``q % S`` of ``lock`` while it computes, and publishes the row with key ``q`` unless its consumer has
 passed it. A consumer reads row ``q % S`` only if its key is ``q`` (filled, seqlock as above), and moves its cursor
 past ``q`` once the batch is handed to the training loop: no value is served twice, and a row is reused only once
 every cursor has passed it. Under ``max_bytes`` the heaps, not only the slots, bound how far ahead producers are: a
-producer whose value finds no heap room first frees the extents of rows every cursor has passed (emptying them),
-then keeps its claim and publishes once cursors move on; it gives the position up (its consumer computes it) when
-a consumer waits for it, which that consumer says by holding a POSIX lock on byte ``2**41 + q % S`` of ``lock``
+producer whose value finds no heap room first frees the extents of rows every cursor has passed (emptying them), then
+keeps its claim and publishes once cursors move on; it gives the position up (its consumer computes it) when a
+consumer waits for it, which that consumer says by holding a byte-range lock on byte ``2**41 + q % S`` of ``lock``
 while it waits.
 
 Format history

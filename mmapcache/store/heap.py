@@ -361,6 +361,15 @@ class Heap:
         c[FREE] += nbytes
         self._freed += nbytes
 
+    def recount_locked(self) -> None:
+        """Sets the free counter to what the free lists hold. A writer killed between a list's head and the counter
+        (``free``, ``_pop``, ``sweep``) left them apart, and the lists are what writers use: the next writer, which
+        finds the cache-wide change counter odd (``SlotState``), recounts before it changes anything. Lists that
+        are damaged are left as they are (``verify`` reports them). Caller holds the writer lock."""
+        free, problem = self.free_extents()
+        if problem is None:
+            self.counters[FREE] = sum(size for _, size in free)
+
     def free_extents(self) -> tuple[list[tuple[int, int]], str | None]:
         """The ``(offset, size)`` of every extent on the free lists, and the first problem found walking them (an
         entry outside the heap's used bytes, an extent of another size class, a list that loops), or None. For

@@ -81,6 +81,9 @@ class SlotState:
         self.keys_np = np.frombuffer(keys_map, "<i8")
         # changes.u64: [changes, complete] (see _format): the cache-wide seqlock of the warm path's fast check.
         self.changes = memoryview(changes_map).cast("Q")
+        # Counts kept beside these files that a writer killed mid-change may leave off what they count (a heap's
+        # free counter): each recounts one, under the lock, when a change finds the last one interrupted.
+        self.recounts: list[Callable[[], None]] = []
 
     # --- reading (lock-free) -----------------------------------------------------------------------------------
 
@@ -116,11 +119,20 @@ class SlotState:
 
     def _begin_change_locked(self) -> None:
         """Marks the cache as being changed (``changes[0]`` odd). Caller holds the writer lock. An odd counter
-        found here is a writer that died mid-change: the count of complete rows is taken again from the bits."""
+        found here is a writer that died mid-change: what it may have left half changed is recounted first."""
         counter = self.changes[0]
         if counter & 1:
-            self.changes[1] = self.complete_rows()
+            self._recount_locked()
         self.changes[0] = counter | 1
+
+    def _recount_locked(self) -> None:
+        """After a writer died mid-change (``changes[0]`` found odd under the lock): the words it may have left
+        apart, which readers or ``verify`` compare, are taken again from what they count (the complete rows from
+        the bits; a heap's free counter from its lists, through ``recounts``). Every change of several words
+        happens inside a change window, so an even counter says they agree. Caller holds the writer lock."""
+        self.changes[1] = self.complete_rows()
+        for recount in self.recounts:
+            recount()
 
     def _end_change_locked(self) -> None:
         self.changes[0] = (self.changes[0] + 1) & 0xFFFFFFFFFFFFFFFF  # wraps (from a damaged odd 2**64 - 1)
@@ -219,7 +231,7 @@ class SlotState:
             changes = self.changes
             counter = changes[0]
             if counter & 1:
-                changes[1] = self.complete_rows()
+                self._recount_locked()
             changes[0] = counter | 1
             try:
                 return self._publish_locked(row, key, write)

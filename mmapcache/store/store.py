@@ -115,6 +115,7 @@ class Store:
                 )
             self.slot_index = self._read_slot_index()
             self.state = SlotState(path, self.rows, writable)
+            self.state.recounts += [heap.recount_locked for heap in self.heaps if heap is not None]
             self.state.check_consistency(path)
             for heap in self.heaps:
                 if heap is not None:

@@ -147,8 +147,9 @@ class RowWriter:
         for n, heap, start, end, values, entries in plans:
             c = heap.counters
             if end > start:
-                c[ABANDONED] += start - int(c[END])  # alignment padding
-                c[END] = end
+                padding = start - int(c[END])
+                c[END] = end  # first: a kill before the padding is counted leaves it uncounted, never over the end
+                c[ABANDONED] += padding
             heap.write_packed(start, values)
             store.index[n][rows] = entries  # type: ignore[index]
         for row, values in zip(rows, samples):
