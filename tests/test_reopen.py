@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from helpers.processes import collect, join_all, running
 from helpers.sources import ImageLabels, Scaled, sample_equal
-from mmapcache import CacheMismatchError, CacheRemovedWarning, MmapCachedDataset, SampleNotCachedError
+from mmapcache import CacheFormatError, CacheMismatchError, CacheRemovedWarning, MmapCachedDataset, SampleNotCachedError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -237,6 +237,65 @@ def test_every_read_path_serves_correct_samples_after_the_cache_is_removed(cache
     assert all(sample_equal(ds[i], source[i]) for i in range(40))
     assert not os.path.exists(cache_path)  # nothing wrote a cache back in its place, or into the removed one's files
     ds.close()
+
+
+def _replace(path: str, n: int) -> None:
+    """`mmapcache rm --force` under the users of the cache at ``path``, then a new cache of the same source there."""
+    _force_remove(path)
+    MmapCachedDataset(path, ImageLabels(n)).close()
+
+
+def _filled_rows(ds: MmapCachedDataset) -> int:
+    """Rows filled in the maps ``ds`` holds (the removed cache's, after a removal)."""
+    return ds._store.state.count_filled()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_after_a_removal_and_a_new_cache_old_readers_store_nothing_into_the_removed_one(cache_path: str,
+                                                                                         workers: int) -> None:
+    # Found by a hostile suite: forked DataLoader workers (their writer lock is opened by path after the fork) and
+    # a reader that had not written before the removal took the *new* cache's lock file, passed the "removed or
+    # replaced" check (its link count is 1) and stored their misses into the old, deleted maps: 505 -> 1,500 rows
+    # with 2 workers, 505 -> 704 for a reader, with no CacheRemovedWarning; the deleted pages grew until the
+    # process exited. Every sample is still served right; nothing more goes into the removed cache.
+    n, source = 120, ImageLabels(120)
+    with MmapCachedDataset(cache_path, source) as filler:
+        filler.fill(range(0, n, 3))
+    ds = MmapCachedDataset(cache_path, source)  # a reader that never wrote: it has no lock file open
+    before = _filled_rows(ds)
+    assert sample_equal(ds[0], source[0])  # (a hit)
+    _replace(cache_path, n)
+    with pytest.warns(CacheRemovedWarning, match="was removed or replaced while this process used it"):
+        got = [s for b in DataLoader(ds, batch_size=8, collate_fn=list, num_workers=workers,
+                                     multiprocessing_context="fork" if workers else None) for s in b]
+        if workers:
+            ds[1]  # (a worker's warning stays in the worker: the main process's first miss warns here)
+    assert all(sample_equal(x, source[i]) for i, x in enumerate(got))
+    assert _filled_rows(ds) == before, "misses were stored into the removed cache's maps"
+    with MmapCachedDataset(cache_path) as new:
+        assert new.num_cached <= 8  # the new cache holds what its creator probed, nothing of the old readers'
+    ds.close()
+
+
+def test_fill_and_prefill_of_a_removed_cache_raise_instead_of_storing_into_it(cache_path: str) -> None:
+    # Found by a hostile suite: after `rm --force` and a new cache at the path, fill() of the old dataset returned a
+    # count (99) and prefill() reported success while the new cache stayed empty; after `rm --force` alone, fill()
+    # of rows the removed maps already held returned 0. The documented answer is CacheFormatError.
+    n = 60
+    ds = MmapCachedDataset(cache_path, ImageLabels(n))
+    ds.fill(range(30))
+    _force_remove(cache_path)
+    with pytest.raises(CacheFormatError, match=r"was removed .* while this process had it open"):
+        ds.fill(range(30))  # all held by the removed maps: nothing to compute, still no cache to fill
+    MmapCachedDataset(cache_path, ImageLabels(n)).close()
+    before = _filled_rows(ds)
+    for fill in (ds.fill, lambda: ds.prefill(rank=0, world_size=1)):
+        with pytest.raises(CacheFormatError, match="open the dataset again"):
+            fill()
+    assert _filled_rows(ds) == before
+    ds.close()
+    with MmapCachedDataset(cache_path, ImageLabels(n)) as again:
+        assert again.fill() > 0 and again.num_cached == n
 
 
 class VaryingLength(Dataset):

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SampleNotCachedError
+from ..errors import CacheFormatError, SampleNotCachedError
 from ..read.reader import RowReader
 from ..store.heap import UNCACHED
 from ..store.rows import RowMap, check_index, check_indices
-from .misses import Misses
+from .misses import Misses, removed_message
 from .prefill import DEFAULT_PATIENCE, prefill
 
 __all__ = ["CacheContents"]
@@ -117,8 +117,14 @@ class CacheContents:
 
         Stale rows are rewritten too: with ``stale="serve"`` this is what replaces the previous version. Safe
         across processes (each row is published under the writer lock; readers never see a half-written row).
+
+        Raises:
+            CacheFormatError: the cache was removed (``mmapcache rm --force``), or replaced, while this process had
+                it open: nothing stored here could be read by another process; open the dataset again.
         """
         reader = self._ensure_open()
+        if reader.store.moved():
+            raise CacheFormatError(removed_message(self.path))
         todo = self.missing_indices(indices)
         if self.dataset is None and len(todo):
             raise SampleNotCachedError(

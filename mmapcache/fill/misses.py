@@ -182,8 +182,10 @@ class Misses:
         """``exc`` came from publishing: if the cache was removed or replaced under this process (its writer lock
         then refuses before anything is written), what was computed is served uncached (nobody else could read it),
         with a warning; otherwise, or ``strict`` (a fill, whose purpose is to store), ``exc`` is raised."""
-        if strict or not self.store.moved():
+        if not self.store.moved():
             raise exc
+        if strict:
+            raise CacheFormatError(removed_message(self.path)) from None
         if self.path not in _warned_removed:
             _warned_removed.add(self.path)
             warn(f"the cache at {self.path} was removed or replaced while this process used it: the samples it lacks "
@@ -423,6 +425,13 @@ def all_finite(fields: Sequence[Field], columns: list[np.ndarray], positions: np
 
 _warned_read_only: set[str] = set()
 _warned_removed: set[str] = set()
+
+
+def removed_message(path: str) -> str:
+    """Why a fill of a cache removed or replaced under this process stores nothing, and what to do."""
+    return (f"the cache at {path} was removed (`mmapcache rm --force`), or replaced by another, while this process "
+            "had it open: what this process stores could not be read by any other; open the dataset again (it "
+            "creates the cache anew from its source, or opens the new one)")
 
 
 def _warn_read_only(path: str) -> None:

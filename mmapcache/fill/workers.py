@@ -1,7 +1,8 @@
 """The work of a build, in its worker processes: claiming chunks of rows and filling them from the source.
 
-Work is split into *chunks* of ``chunk_rows(rows, row_bytes)`` consecutive rows. A worker claims a chunk (a POSIX
-byte-range lock on byte ``chunk`` of the cache's ``lock`` file, dropped by the kernel if the worker dies), fills
+Work is split into *chunks* of ``chunk_rows(rows, row_bytes)`` consecutive rows. A worker claims a chunk (a
+byte-range lock on byte ``chunk`` of the cache's ``lock`` file, ``store.lock.ChunkClaims``, dropped by the kernel if
+the worker dies), fills
 the chunk's rows that are unfilled or stale (computed, checked and stored as one batch), and releases it. A *task*
 is a chunk, or one row of a chunk (how ``fill.build`` finds a sample that kills its worker: see
 ``fill.build._Driver._isolate``).
@@ -76,15 +77,14 @@ def in_range(rows: RowMap, plan: Plan, targets: np.ndarray) -> np.ndarray:
 
 
 class _Worker:
-    """A worker process's open cache, source and claims (made on its first task, kept for its lifetime: closing
-    any descriptor of the lock file would drop this process's claims)."""
+    """A worker process's open cache, source and claims (made on its first task, kept for its lifetime)."""
 
     def __init__(self, plan: Plan) -> None:
         self.store = Store(plan.path)
         self.rows = RowMap.of(self.store)
         self.reader = RowReader(self.store, recompute_stale=True)
         self.writer = RowWriter(self.store)
-        self.claims = ChunkClaims(plan.path)
+        self.claims = ChunkClaims(plan.path, self.store.state.lock.identity)
         self.dataset = plan.source()
         self.misses = Misses(self.dataset, self.store, self.rows, self.reader, check_finite=plan.check_finite)
         self.set_epoch = getattr(self.dataset, "set_epoch", None) if self.store.variants > 1 else None
@@ -117,11 +117,17 @@ class Filler:
         chunk, row = self.tasks[task]
         result: dict[str, Any] = {"chunk": chunk, "busy": False, "filled": 0, "skipped": 0, "failed": [],
                                   "removed": None, "no_room": []}
-        while not worker.claims.try_claim(chunk):
-            if not self.wait:
-                result["busy"] = True
-                return result
-            time.sleep(_CLAIM_POLL)
+        try:
+            while not worker.claims.try_claim(chunk):
+                if not self.wait:
+                    result["busy"] = True
+                    return result
+                time.sleep(_CLAIM_POLL)
+        except CacheFormatError as exc:  # the lock file replaced: removed under us (`mmapcache rm --force`)?
+            if not worker.store.moved():
+                raise
+            result["removed"] = str(exc)
+            return result
         try:
             self._fill(worker, chunk, row, result)
         finally:

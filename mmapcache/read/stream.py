@@ -9,7 +9,6 @@ counters) is ``store.ring``; the producers are ``fill.producer``.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -286,17 +285,18 @@ class StreamLoader:
         if self._reading is not None and self._reading.alive:
             return
         key = (ring.store.path, self.rank)
-        if not _held.get(key):
-            other = ring.hold_reader(self.rank)
-            if other is not None:
+        if key not in _held:
+            claims, other = ring.hold_reader(self.rank)
+            if claims is None:
                 who = f"process {other}" if other > 0 else "another process"
                 raise CacheInUseError(
                     f"rank {self.job_rank} of {self.job_size} of the stream at {ring.store.path} is being read by "
                     f"{who}: two readers of one rank would each be served values the other was served (each moves "
                     "the rank's one cursor). Run each rank once (the same script started twice is two readers), or "
                     "give the other job its own stream (another path)", users=(other,) if other > 0 else ())
-        _held[key] = _held.get(key, 0) + 1
-        self._reading = weakref.finalize(self, _release, ring, key)
+            _held[key] = [0, claims]
+        _held[key][0] += 1
+        self._reading = weakref.finalize(self, _release, key)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is in the stream: its epoch and the positions handed to the training loop (its cursor,
@@ -341,17 +341,20 @@ def _state_int(state: dict[str, Any], key: str, high: int) -> int:
     return int(value)
 
 
-# Reader locks this process holds, by (stream path, local rank), with the loaders holding each: POSIX locks belong
-# to the process, so the lock is released when the last of its loaders goes.
-_held: dict[tuple[str, int], int] = {}
+# Reader locks this process holds, by (stream path, local rank): how many of its loaders hold each, and the claims
+# (a descriptor of their own: Ring.hold_reader) that hold it until the last of those loaders goes. Not a dataset's
+# ring's: a loader of another dataset of the same path, or of a dataset closed meanwhile, shares the lock.
+_held: dict[tuple[str, int], list[Any]] = {}
 
 
-def _release(ring: Ring, key: tuple[str, int]) -> None:
-    _held[key] -= 1
-    if not _held[key]:
+def _release(key: tuple[str, int]) -> None:
+    entry = _held.get(key)
+    if entry is None:
+        return
+    entry[0] -= 1
+    if not entry[0]:
         del _held[key]
-        with contextlib.suppress(OSError, ValueError):  # the ring closed with its dataset: the lock went with it
-            ring.release_reader(key[1])
+        entry[1].close()
 
 
 

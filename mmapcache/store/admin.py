@@ -22,28 +22,71 @@ def users_of(path: str) -> list[int]:
 
 
 def holders_of(path: str, name: str, posix_at: int | None = None) -> list[int]:
-    """Pids holding an ``flock`` on the cache file ``name`` (``users``, ``producers``), or with ``posix_at`` a POSIX
-    lock on that byte of it (a stream's reader of a rank), from ``/proc/locks``."""
+    """Pids holding an ``flock`` on the cache file ``name`` (``users``, ``producers``), or with ``posix_at`` a
+    byte-range lock on that byte of it (a stream's reader of a rank: an open file description lock, or a POSIX one
+    where the kernel lacks those), from ``/proc/locks`` (Linux). An open file description lock shows no pid there:
+    its holders are found among the processes' open descriptors of the file (``/proc/PID/fdinfo``)."""
     try:
         st = os.stat(os.path.join(path, name))
         with open("/proc/locks", encoding="ascii") as f:
             lines = f.read().splitlines()
     except OSError:
         return []
-    pids = set()
+    pids, unnamed = set(), False
+    for kind, pid, start, end in _locks_on(lines, st):
+        if posix_at is None:
+            if kind == "FLOCK":
+                pids.add(pid)
+        elif kind in ("POSIX", "OFDLCK") and start <= posix_at <= end:
+            if pid > 0:
+                pids.add(pid)
+            else:
+                unnamed = True
+    if unnamed:
+        pids |= _description_holders(st, posix_at)  # type: ignore[arg-type]  # (posix_at is set here)
+    return sorted(p for p in pids if _alive(p))
+
+
+def _locks_on(lines: list[str], st: os.stat_result) -> list[tuple[str, int, int, int]]:
+    """``(kind, pid, first byte, last byte)`` of the lock lines (``/proc/locks``' format) on the file of ``st``."""
+    found = []
     for line in lines:
         parts = line.split()
         if "->" in parts:  # a waiter, shown as "1: -> FLOCK ..."
             parts.remove("->")
-        if len(parts) < 6 or parts[1] != ("FLOCK" if posix_at is None else "POSIX"):
-            continue
-        if posix_at is not None and (len(parts) < 7 or parts[6] != str(posix_at)):
+        if len(parts) < 8:
             continue
         dev_ino = parts[5].split(":")
-        if len(dev_ino) == 3 and int(dev_ino[2]) == st.st_ino and int(dev_ino[1], 16) == os.minor(st.st_dev) \
-                and int(dev_ino[0], 16) == os.major(st.st_dev):
-            pids.add(int(parts[4]))
-    return sorted(p for p in pids if _alive(p))
+        if len(dev_ino) != 3 or int(dev_ino[2]) != st.st_ino or int(dev_ino[1], 16) != os.minor(st.st_dev) \
+                or int(dev_ino[0], 16) != os.major(st.st_dev):
+            continue
+        last = (1 << 63) - 1 if parts[7] == "EOF" else int(parts[7])
+        found.append((parts[1], int(parts[4]), int(parts[6]), last))
+    return found
+
+
+def _description_holders(st: os.stat_result, at: int) -> set[int]:
+    """Pids with a descriptor of the file of ``st`` whose open file description holds a lock on byte ``at``."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            descriptors = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in descriptors:
+            try:
+                target = os.stat(f"/proc/{entry}/fd/{fd}")
+                if (target.st_dev, target.st_ino) != (st.st_dev, st.st_ino):
+                    continue
+                with open(f"/proc/{entry}/fdinfo/{fd}", encoding="ascii") as f:
+                    locks = [line.split(":", 1)[1] for line in f.read().splitlines() if line.startswith("lock:")]
+            except OSError:
+                continue
+            if any(kind == "OFDLCK" and start <= at <= end for kind, _, start, end in _locks_on(locks, st)):
+                pids.add(int(entry))
+    return pids
 
 
 def _alive(pid: int) -> bool:

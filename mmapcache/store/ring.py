@@ -13,7 +13,7 @@ Consumers move their cursor (``ring.u64``: two words per rank, the next sequence
 its progress ``(epoch, k)``) past a batch once it has been handed to the training loop. Producers claim sequence
 numbers in order, ahead of the slowest consumer (``low``, the smallest cursor) by at most ``S``, so a row is only
 rewritten once every consumer has passed its previous value: nothing is served twice, and nothing waiting to be
-read is overwritten. While it computes, a producer holds a POSIX lock on byte ``row`` of the cache's ``lock`` file;
+read is overwritten. While it computes, a producer holds a byte-range lock on byte ``row`` of the cache's ``lock`` file;
 a position whose claim is free but whose row does not hold it was lost with a killed producer, and is claimed
 again. Counters (``produced``, ``served``, ``computed``, ``waited_ns``, ``skipped``) change under the writer lock.
 
@@ -47,7 +47,7 @@ RING_WORDS = fmt.RING_WORDS  # HEADER + 2 * MAX_RANKS
 _COUNTERS = {"produced": PRODUCED, "served": SERVED, "computed": COMPUTED, "waited_ns": WAITED_NS,
              "skipped": SKIPPED}
 _PROGRESS_BITS = 32  # progress word: epoch << 32 | (k + 1); 0 = the rank never read
-READER_LOCKS = 1 << 40  # a reader of rank r holds a POSIX lock on byte READER_LOCKS + r of `lock` (format.spec)
+READER_LOCKS = 1 << 40  # a reader of rank r holds a lock on byte READER_LOCKS + r of `lock` (format.spec)
 WAIT_LOCKS = 1 << 41  # a reader waiting for row s's next value holds byte WAIT_LOCKS + s (format.spec)
 
 
@@ -74,7 +74,7 @@ class Ring:
         self._map = map_exact(store.path, fmt.RING, 8 * RING_WORDS, access, store.writable)
         self.words = np.frombuffer(self._map, "<u8")
         self._order: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
-        self.claims = ChunkClaims(store.path)
+        self.claims = ChunkClaims(store.path, store.state.lock.identity)
 
     # --- the order --------------------------------------------------------------------------------------------
 
@@ -245,7 +245,7 @@ class Ring:
         """Whether position ``q`` was claimed and given up: claimed before (below the next position), not in its
         row, and no producer holds its claim now (one died, or found no heap room for the value). A reader waiting
         for it computes it instead: a producer may never store it. The claim is tested under the writer lock, as
-        producers claim (readers and producers are always separate processes, whose POSIX locks conflict)."""
+        producers claim (a reader's claims and a producer's are locks of different descriptors, which conflict)."""
         row = q % self.slots
 
         def check() -> bool:
@@ -372,17 +372,18 @@ class Ring:
 
     # --- readers (one process per rank) ---------------------------------------------------------------------------
 
-    def hold_reader(self, rank: int) -> int | None:
-        """Takes rank ``rank``'s reader lock for this process (kept until ``release_reader`` or the process ends):
-        None if taken, else the pid of the other process reading that rank (-1 if it cannot be told). Two readers of
-        one rank would each be served positions the other was served (each moves the rank's one cursor)."""
-        if self.claims.try_claim(READER_LOCKS + rank):
-            return None
+    def hold_reader(self, rank: int) -> tuple[ChunkClaims | None, int]:
+        """Takes rank ``rank``'s reader lock on a descriptor of its own, held until that descriptor is closed
+        (``ChunkClaims.close``) or the process ends, whatever other descriptors of the lock file this process opens
+        and closes (a ``verify``, another dataset of the path): ``(the claims holding it, 0)``, or ``(None, the pid
+        of the process reading that rank)`` (-1 if it cannot be told). Two readers of one rank would each be served
+        positions the other was served (each moves the rank's one cursor)."""
+        claims = ChunkClaims(self.store.path, self.state.lock.identity)
+        if claims.try_claim(READER_LOCKS + rank):
+            return claims, 0
+        claims.close()
         holders = holders_of(self.store.path, fmt.LOCK, posix_at=READER_LOCKS + rank)
-        return holders[0] if holders else -1
-
-    def release_reader(self, rank: int) -> None:
-        self.claims.release(READER_LOCKS + rank)
+        return None, holders[0] if holders else -1
 
     def close(self) -> None:
         self.claims.close()
