@@ -1,6 +1,7 @@
 """The processes mmapcache starts die with the process that started them: a stream's producers (started by
 ``ds.produce()`` or ``mmapcache build --follow``) and a build's workers, when their parent is SIGKILLed. Before,
-producers went on computing for nobody and held the cache's users lock, so ``mmapcache rm`` refused it."""
+producers went on computing for nobody and held the cache's users lock, so ``mmapcache rm`` refused it. And a
+script that never stops its producers exits, whatever signal handlers it installed."""
 
 from __future__ import annotations
 
@@ -120,3 +121,40 @@ def test_build_workers_die_with_a_killed_build(shm_dir: str) -> None:
         _kill_and_check_orphans(command, _children(command.pid), path)
     finally:
         kill_alive([command])
+
+
+@pytest.mark.parametrize("handler", ["log", "ignore", "none"])
+def test_a_script_that_never_stops_its_producers_exits_whatever_its_sigterm_handler(cache_path: str,
+                                                                                     handler: str) -> None:
+    # Found by a hostile suite: at exit, multiprocessing terminates its daemon children with SIGTERM and joins them;
+    # producers forked from a parent with a SIGTERM handler of its own (Lightning installs one during fit; the
+    # guide's multi-node recipe never calls stop()) inherited it, logged the signal and went on, and the parent
+    # waited forever (torchrun killed after 60-200 s). Producers own their signals: the script exits at once.
+    install = {"log": "signal.signal(signal.SIGTERM, lambda n, f: print('SIGTERM in', os.getpid(), flush=True))",
+               "ignore": "signal.signal(signal.SIGTERM, signal.SIG_IGN)", "none": ""}[handler]
+    script = textwrap.dedent(f"""
+        import json, os, signal
+        from helpers.stream_sources import Fresh
+        from mmapcache import MmapCachedDataset
+        {install}
+        ds = MmapCachedDataset({cache_path!r}, Fresh(400), stream=True, seed=1)
+        producer = ds.produce(workers=2)
+        for k, batch in enumerate(ds.loader(batch_size=8)):
+            if k == 5:
+                break
+        print(json.dumps([p.pid for p in producer.processes]), flush=True)
+    """)
+    with subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True) as parent:
+        try:
+            assert parent.stdout is not None
+            children = json.loads(parent.stdout.readline())
+            parent.wait(60)  # (it hung forever before: killed below)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the script did not exit within 60 s of its last line") from None
+        finally:
+            kill_alive([parent])
+            for pid in children if "children" in locals() else []:
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+    assert parent.returncode == 0
+    assert producers_of(cache_path) == []

@@ -1,4 +1,4 @@
-"""Child processes that die with the process that started them.
+"""Child processes that die with the process that started them, and own their signal handling.
 
 A producer (``fill.producer``) or a build worker runs until told to stop. If the process that started it dies without
 telling it (SIGKILL, the OOM killer, a scheduler killing the job), nothing else would: it would go on computing
@@ -15,10 +15,11 @@ mid-write reads as unfilled; claims and locks die with the process).
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
-__all__ = ["die_with_parent"]
+__all__ = ["die_with_parent", "own_signals"]
 
 _POLL = 0.1  # seconds between looks at the parent
 EXIT_ORPHANED = 3  # the exit status of a child whose parent died
@@ -37,3 +38,15 @@ def die_with_parent(parent: int) -> None:
         os._exit(EXIT_ORPHANED)
 
     threading.Thread(target=watch, name="mmapcache-parent-watch", daemon=True).start()
+
+
+def own_signals() -> None:
+    """Gives this (forked) child the default handling of SIGTERM and SIGINT instead of its parent's.
+
+    At the parent's exit, ``multiprocessing`` terminates its daemon children with SIGTERM and joins them. A child
+    forked from a parent that installed its own SIGTERM handler (PyTorch Lightning does, during ``fit``) inherited
+    it, logged the signal and went on, and the parent waited for it forever. SIGTERM now ends the child (a kill:
+    safe at any moment, see the module docstring), and SIGINT (a Ctrl-C to the job's process group) raises
+    ``KeyboardInterrupt``, on which a producer stops."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -32,7 +32,7 @@ from ..store.ring import Ring, register_producer
 from ..store.store import Store
 from ..store.writer import RowWriter
 from .misses import all_finite, checker
-from .parent import die_with_parent
+from .parent import die_with_parent, own_signals
 
 __all__ = ["Producer", "SourceFactory", "StopFlag", "produce"]
 
@@ -231,6 +231,7 @@ def _next_run(slots: int, seconds_each: float) -> int:
 
 
 def _run(path: str, make_source: Callable[[], Any], stop: Any, parent: int, check_finite: bool, seed: int) -> None:
+    own_signals()
     die_with_parent(parent)  # a producer whose starter was killed must not produce for nobody, forever
     reseed(seed)
     with contextlib.suppress(KeyboardInterrupt):
