@@ -104,9 +104,21 @@ def test_a_reader_of_another_job_shape_is_refused(cache_path: str, split: dict[s
             assert ds.stream_split.to_json() == split
             with pytest.raises(CacheMismatchError, match=r"rank 2 of 4 .* node 0 of 2 \(ranks 0 to 1 of 4\)"):
                 ds.loader(batch_size=4, rank=2, world_size=4)
-            with pytest.raises(CacheMismatchError, match=r"a job of 6 ranks.*2 nodes of 2 ranks"):
+            with pytest.raises(CacheMismatchError, match=r"made for a job of 2 nodes x 2 ranks .*this job: 6 ranks"):
                 ds.loader(batch_size=4, rank=1, world_size=6)
             assert len(list(ds.loader(batch_size=4))) == 3  # rank 1 of 4: 10 positions
+    # Found by a hostile suite: a one-node job of 4 ranks on this stream had its ranks 0 and 1 read node 0's part
+    # and only ranks 2 and 3 refused (the job's shape was not checked for a one-node job). Every rank is refused.
+    for rank in range(4):
+        one_node = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0", "RANK": str(rank),
+                    "LOCAL_RANK": str(rank)}
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in one_node.items():
+                mp.setenv(key, value)
+            with MmapCachedDataset(cache_path, Fresh(40), stream=True, seed=SEED) as ds:
+                with pytest.raises(CacheMismatchError, match=r"made for a job of 2 nodes x 2 ranks \(its ring holds "
+                                                             r"node 0's part\); this job: 1 node x 4 ranks"):
+                    ds.loader(batch_size=4)
 
 
 def test_the_command_line_produces_a_nodes_part_on_its_local_rank_0(shm_dir: str) -> None:

@@ -50,12 +50,17 @@ def reader_place(ring: Ring, rank: int | None, world_size: int | None) -> tuple[
         if world_size > _MAX_RANKS:
             raise ValueError(f"a stream has at most {_MAX_RANKS} readers per node, not {world_size}")
         return rank, world_size, rank, world_size
-    if world_size != split.world:
+    nodes = node_of_process()[1] if found else split.nodes
+    if nodes != split.nodes or world_size != split.world:
+        # Every rank of the job is refused alike: a one-node job of 4 ranks on a 2-node stream of 2 ranks each had
+        # its ranks 0 and 1 read node 0's part, and only ranks 2 and 3 refused.
+        shape = f"{nodes} node{'s' if nodes > 1 else ''} x {world_size // nodes} ranks" if found else \
+            f"{world_size} ranks"
         raise CacheMismatchError(
-            f"this loader is rank {rank} of a job of {world_size} ranks, but the stream at {path} holds node "
-            f"{split.node}'s part of a job of {split.nodes} nodes of {split.ranks} ranks ({split.world}): its ring "
-            f"holds the positions of that split. A stream keeps the shape of the job that made it: remove it "
-            f"(`mmapcache rm {path}`, or use a new path) when the number of nodes or of ranks per node changes")
+            f"the stream at {path} was made for a job of {split.nodes} nodes x {split.ranks} ranks (its ring holds "
+            f"node {split.node}'s part); this job: {shape} (this process is rank {rank} of {world_size}). A stream "
+            f"keeps the shape of the job that made it: remove it (`mmapcache rm {path}`, or use a new path) when the "
+            "number of nodes or of ranks per node changes")
     if not split.first <= rank < split.first + split.ranks:
         raise CacheMismatchError(
             f"rank {rank} of {world_size} is not a rank of node {split.node} of {split.nodes} (ranks {split.first} "
