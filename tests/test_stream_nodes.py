@@ -41,7 +41,7 @@ def _expected(rank: int, epoch: int) -> list[int]:
     return order[(rank + RANKS * np.arange(per_rank)) % N].tolist()
 
 
-def _check_job(ranks: list[dict[str, Any]], calls: list[list[int]], again: int = 0, workers: int = 0) -> None:
+def _check_job(ranks: list[dict[str, Any]], calls: list[list[int]], again: int = 0) -> None:
     """The job read what DistributedSampler gives each rank, every computation once, and each node computed about its
     ranks' part (``again``: positions each node's ranks read a second time, after a resume)."""
     assert [r["rank"] for r in ranks] == list(range(RANKS))
@@ -61,11 +61,14 @@ def _check_job(ranks: list[dict[str, Any]], calls: list[list[int]], again: int =
         stats = ranks[2 * node]["stats"]  # the node's counters: every rank of it sees the same
         reads = sum(len(b["i"]) for r in ranks[2 * node:2 * node + 2] for e in r["epochs"] for b in e)
         assert stats["served"] + stats["computed"] == reads + again
-        # Its ranks' half of each epoch, the ring's worth produced ahead after the last epoch, and the probes; and
-        # with workers, what they read ahead of the rank's cursor before a producer reached it and computed
-        # themselves (a producer computes those positions too: the cursor had not passed them).
-        bound = 0.6 * N * EPOCHS + again + ring + 9 + (stats["computed"] if workers else 0)
-        assert len(calls[node]) <= bound, f"node {node} computed {len(calls[node])}: {stats}"
+        # Each position its ranks read once (a position is computed by one process on the node, whoever gets there
+        # first: with workers too, which read ahead of the rank's cursor), what the producers computed ahead of the
+        # readers at the end (at most the ring), the creator's probes and each opener's check of one sample.
+        # (Values a reader did not wait for, a producer starved of CPU delivering late, are counted as skipped.)
+        assert stats["skipped"] <= max(2, reads // 50), f"node {node}: values produced for positions passed: {stats}"
+        assert 0 <= stats["produced"] - stats["served"] - stats["skipped"] <= ring + 9, stats
+        unserved = stats["produced"] - stats["served"]
+        assert len(calls[node]) <= reads + again + unserved + 4, f"node {node} computed {len(calls[node])}: {stats}"
 
 
 def test_each_rank_reads_its_part_and_each_node_computes_only_its_ranks(shm_dir: str, tmp_path: Any) -> None:
@@ -86,7 +89,7 @@ def test_with_workers_and_a_resume_from_rank_0s_state(shm_dir: str, tmp_path: An
     ranks, calls = _job(shm_dir, tmp_path, "--workers", "2", "--resume-at", "4", "--delay", "0.0005", "--step", "0.04")
     again = [sum(len(b) for r in ranks[2 * node:2 * node + 2] for b in r["resumed"]) for node in (0, 1)]
     assert again[0] == again[1] == 2 * (-(-N // RANKS) - 40)  # each rank's part after its 4th batch, read again
-    _check_job(ranks, calls, again=again[0], workers=2)
+    _check_job(ranks, calls, again=again[0])
     for r in ranks:
         rest = [b["i"] for b in r["epochs"][1][4:]]
         assert r["resumed"] == rest, f"rank {r['rank']}: the resumed loader read another part"

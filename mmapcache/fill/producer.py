@@ -68,10 +68,11 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None, check_f
     writer.passed = ring.passed_rows  # a value without heap room first takes the room of values readers passed
     runs = _Runs(ring, reader, writer, make_source(), check_finite)
     done = {"produced": 0, "skipped": 0, "failed": 0}
-    poll, run = _IDLE_POLL[0], 1
+    poll, run, seconds_each = _IDLE_POLL[0], 1, 0.0
     try:
         while stop is None or not stop.is_set():
-            qs = ring.claim(run)
+            # Past the positions its readers reach while it computes and publishes the run (with a margin).
+            qs = ring.claim(run, horizon=1.5 * run * seconds_each + _IDLE_POLL[0])
             if not qs:
                 if store.moved():
                     break
@@ -80,7 +81,8 @@ def produce(path: str, make_source: Callable[[], Any], stop: Any = None, check_f
                 continue
             started, failed = time.perf_counter(), done["failed"]
             publish = runs.compute(qs, done)
-            run = _next_run(ring.slots, (time.perf_counter() - started) / len(qs))
+            seconds_each = (time.perf_counter() - started) / len(qs)
+            run = _next_run(ring.slots, seconds_each)
             stored, offered, left = publish()
             if left:
                 stored += _publish_when_room(ring, writer, left, stop, store)

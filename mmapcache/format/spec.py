@@ -144,19 +144,24 @@ number ``q = e * M + j`` (``M = N`` for one node), kept in row ``q % S`` with ke
 rank ``n * L + r``'s part as ``DistributedSampler`` splits it; those past ``M`` (padding, ``p >= N``) are index
 ``order[p % N]``, never stored. Two more files:
 
-- ``ring.u64``: ``8 + 2 * 256`` little-endian uint64: ``[next, produced, served, computed, waited_ns, skipped, 0,
-  0]``, then two words per consumer rank (up to 256). ``next``: the next sequence number a producer claims;
-  ``produced``: values published; ``served``: values served from the ring (each at most once); ``computed``:
-  positions a consumer computed itself (the producer was behind, or padding); ``waited_ns``: time consumers spent
-  waiting for a producer; ``skipped``: values produced but passed by their consumer before they were published.
-  Rank ``r``'s words: its cursor, 0 (never read) or 1 + the next sequence number it will read from the ring; and
-  its progress, 0 or ``epoch << 32 | (k + 1)``: it consumed its first ``k`` positions of ``epoch``. Counters
+- ``ring.u64``: ``8 + 3 * 256`` little-endian uint64: ``[next, produced, served, computed, waited_ns, skipped, L,
+  0]``, then two words per consumer rank (up to 256), then a word per rank. ``next``: the next sequence number a
+  producer claims; ``produced``: values published; ``served``: values served from the ring (each at most once);
+  ``computed``: positions a consumer computed itself (the producer was behind, or padding); ``waited_ns``: time
+  consumers spent waiting for a producer; ``skipped``: values produced but passed by their consumer before they were
+  published. Rank ``r``'s words: its cursor, 0 (never read) or 1 + the next sequence number it will read from the
+  ring; and its progress, 0 or ``epoch << 32 | (k + 1)``: it consumed its first ``k`` positions of ``epoch``. Counters
   change under the writer lock; a rank's words are written by that rank only: while a loader reads rank ``r``, its
-  process holds a byte-range lock on byte ``2**40 + r`` of ``lock``, and a second reader of that rank is refused.
+  process holds a byte-range lock on byte ``2**40 + r`` of ``lock``, and a second reader of that rank is refused. Then
+  (since 0.6) one word per rank, its *taken end*: its readers compute, themselves, every position of theirs below it
+  that no producer claimed before (sequence position ``j`` is local rank ``j % L``'s, ``L`` the readers recorded in
+  word 6 of the header; a reader starting sets its word to 0, and a new ``L`` clears them all). Written under the
+  writer lock. A ring of ``8 + 2 * 256`` words (made before 0.6) has none: it is read as before.
 - ``producers``: empty; every producer holds ``flock(LOCK_SH)`` on it while it runs.
 
-A producer claims ``q = max(next, low)`` (``low``: the smallest cursor in use) if ``q < low + S``, holds a byte-range
-lock on byte ``q % S`` of ``lock`` while it computes, and publishes the row with key ``q`` unless its consumer has
+A producer claims ``q >= max(next, low)`` (``low``: the smallest cursor in use) if ``q < low + S`` and ``q`` is at
+or past its rank's taken end (then ``next = q + 1``), holds a byte-range lock on byte ``q % S`` of ``lock`` while it
+computes, and publishes the row with key ``q`` unless its consumer has
 passed it. A consumer reads row ``q % S`` only if its key is ``q`` (filled, seqlock as above), and moves its cursor
 past ``q`` once the batch is handed to the training loop: no value is served twice, and a row is reused only once
 every cursor has passed it. Under ``max_bytes`` the heaps, not only the slots, bound how far ahead producers are: a
@@ -175,7 +180,9 @@ Format history
    Since mmapcache 0.3, ``meta.json`` records ``deterministic`` (readers of 0.2 ignore it; a cache without it
    reads as ``true``): a compatible addition, not a new version. Since 0.5, a stream of a job of several nodes
    records ``stream.split``; a stream without it is read as before, and readers before 0.5 refuse one with it as
-   damage (they would read the node's sequence as the whole order).
+   damage (they would read the node's sequence as the whole order). Since 0.6, ``ring.u64`` has a third word per
+   rank (its taken end) and the number of readers in header word 6; a ring without them is read as before (a
+   position may be computed twice), and readers before 0.6 refuse the longer ring as damage.
 """
 
 from __future__ import annotations
@@ -196,5 +203,6 @@ HEAPS = "heaps.u64"
 CHANGES = "changes.u64"
 CHANGES_WORDS = 2
 RING = "ring.u64"
-RING_WORDS = 8 + 2 * 256  # the counters, then two words per consumer rank (see "Stream mode")
+RING_WORDS = 8 + 3 * 256  # the counters, two words per consumer rank, then each rank's taken end (see "Stream mode")
+RING_WORDS_BEFORE_0_6 = 8 + 2 * 256  # a ring made before 0.6: no taken ends (read as before)
 PRODUCERS = "producers"

@@ -13,9 +13,16 @@ Consumers move their cursor (``ring.u64``: two words per rank, the next sequence
 its progress ``(epoch, k)``) past a batch once it has been handed to the training loop. Producers claim sequence
 numbers in order, ahead of the slowest consumer (``low``, the smallest cursor) by at most ``S``, so a row is only
 rewritten once every consumer has passed its previous value: nothing is served twice, and nothing waiting to be
-read is overwritten. While it computes, a producer holds a byte-range lock on byte ``row`` of the cache's ``lock`` file;
-a position whose claim is free but whose row does not hold it was lost with a killed producer, and is claimed
-again. Counters (``produced``, ``served``, ``computed``, ``waited_ns``, ``skipped``) change under the writer lock.
+read is overwritten. While it computes, a producer holds a byte-range lock on byte ``row`` of the cache's ``lock``
+file. Counters (``produced``, ``served``, ``computed``, ``waited_ns``, ``skipped``) change under the writer lock.
+
+Each position is computed once on the node, by whoever gets there first. A reader that computes what it does not
+find takes the positions of each batch before it reads them (its rank's *taken end*, a third word per rank, moves
+past the batch: its workers read batches ahead of its cursor), and producers skip taken positions when they claim;
+a position a producer claimed before is waited for, not computed again. So a producer behind its readers works
+where its values will still be read, and none of its values goes unread but what it computed ahead of the readers.
+A position a producer claimed and did not publish (it died, its source raised, it gave the value up for heap room)
+is computed by its reader.
 
 Numpy only: producers started by ``mmapcache build --follow`` and ``inspect`` never import torch.
 """
@@ -26,6 +33,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -40,10 +48,11 @@ from .state import map_exact
 
 __all__ = ["Ring", "RING_WORDS", "MAX_RANKS", "epoch_order", "producers_of", "register_producer"]
 
-NEXT, PRODUCED, SERVED, COMPUTED, WAITED_NS, SKIPPED = range(6)
+NEXT, PRODUCED, SERVED, COMPUTED, WAITED_NS, SKIPPED, READERS = range(7)
 HEADER = 8
 MAX_RANKS = 256
-RING_WORDS = fmt.RING_WORDS  # HEADER + 2 * MAX_RANKS
+RING_WORDS = fmt.RING_WORDS  # HEADER + 2 * MAX_RANKS, then MAX_RANKS taken ends
+TAKEN = HEADER + 2 * MAX_RANKS  # rank r's taken end: TAKEN + r (rings made before 0.6 have none)
 _COUNTERS = {"produced": PRODUCED, "served": SERVED, "computed": COMPUTED, "waited_ns": WAITED_NS,
              "skipped": SKIPPED}
 _PROGRESS_BITS = 32  # progress word: epoch << 32 | (k + 1); 0 = the rank never read
@@ -71,8 +80,17 @@ class Ring:
         self.slots: int = store.slots
         self.seed: int = store.meta["stream"]["seed"]
         access = mmap.ACCESS_WRITE if store.writable else mmap.ACCESS_READ
-        self._map = map_exact(store.path, fmt.RING, 8 * RING_WORDS, access, store.writable)
+        try:
+            self._map = map_exact(store.path, fmt.RING, 8 * RING_WORDS, access, store.writable)
+        except CacheFormatError:
+            # A ring made before 0.6 has no taken ends: readers and producers work as they did then.
+            if os.path.getsize(os.path.join(store.path, fmt.RING)) != 8 * fmt.RING_WORDS_BEFORE_0_6:
+                raise
+            self._map = map_exact(store.path, fmt.RING, 8 * fmt.RING_WORDS_BEFORE_0_6, access, store.writable)
         self.words = np.frombuffer(self._map, "<u8")
+        self.takes = len(self.words) == RING_WORDS  # whether readers record the positions they take
+        # (when, each rank's taken end then, their pace in positions a second): a producer's measure (_reach).
+        self._pace: tuple[float, np.ndarray, np.ndarray] = (0.0, np.empty(0, np.int64), np.empty(0))
         self._order: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
         self.claims = ChunkClaims(store.path, store.state.lock.identity)
 
@@ -158,6 +176,14 @@ class Ring:
         names, or the next."""
         found = [f"the counter '{name}' holds {int(self.words[word])}, more than any run could count"
                  for name, word in _COUNTERS.items() if int(self.words[word]) >= 2**63]
+        if self.takes:
+            if int(self.words[READERS]) > MAX_RANKS:
+                found.append(f"it records {int(self.words[READERS])} readers, more than the {MAX_RANKS} it has words "
+                             "for")
+            ends = self.words[TAKEN:TAKEN + MAX_RANKS]
+            if (ends >= 2**63).any():
+                rank = int(np.argmax(ends >= 2**63))
+                found.append(f"rank {rank}'s taken end is {int(ends[rank])}, past any sequence number")
         n = self.length
         for rank in range(MAX_RANKS):
             cursor, word = int(self.words[HEADER + 2 * rank]), int(self.words[HEADER + 2 * rank + 1])
@@ -208,38 +234,109 @@ class Ring:
         qs = np.arange(low, low + self.slots, dtype=np.int64)
         return int(self.state.filled_rows(qs % self.slots, qs).sum())
 
-    # --- producers (each holds a claim on the row it computes) ---------------------------------------------------
+    # --- who computes a position: readers take theirs, producers claim the others --------------------------------
 
-    def claim(self, limit: int = 1) -> list[int]:
-        """The next sequence numbers to produce, at most ``limit`` in a row, each claimed (its row's byte locked)
-        under one acquisition of the writer lock; or one position a dead producer claimed and lost. Empty when the
-        ring is full (``S`` positions ahead of the slowest consumer) and no claim was lost."""
-        return self.state.under_lock(lambda: self._claim_locked(limit))
+    def start_taking(self, rank: int, ranks: int) -> None:
+        """Rank ``rank`` of the node's ``ranks`` readers starts (or starts again, from its cursor): it has taken
+        nothing yet. A number of readers other than the one recorded (``READERS``: whose position is which rank's)
+        clears every rank's taken end. Safe across processes."""
+        if not self.takes:
+            return
 
-    def _claim_locked(self, limit: int) -> list[int]:
+        def start() -> None:
+            if int(self.words[READERS]) != ranks:
+                self.words[READERS] = ranks
+                self.words[TAKEN:TAKEN + MAX_RANKS] = 0
+            self.words[TAKEN + rank] = 0
+        self.state.under_lock(start)
+
+    def take(self, rank: int, end: int) -> None:
+        """Rank ``rank``'s readers take every position of theirs before sequence number ``end`` that no producer has
+        claimed yet: they compute those themselves as they reach them, and no producer claims them (``claim``). A
+        reader that computes what it does not find calls it for each batch before reading it (its workers read
+        batches ahead of its cursor), under the writer lock, as producers claim: each position is computed by
+        whoever comes first, once. Safe across processes."""
+        if not self.takes:
+            return
+        word = TAKEN + rank
+
+        def advance() -> None:
+            if end > int(self.words[word]):
+                self.words[word] = end
+        self.state.under_lock(advance)
+
+    def taken(self, qs: np.ndarray, horizon: float = 0.0) -> np.ndarray:
+        """Which of sequence numbers ``qs`` (int64) their rank's readers have taken (``take``), or, with ``horizon``
+        seconds, will have reached by then at the pace their taken ends moved lately (``_reach``)."""
+        readers = int(self.words[READERS]) if self.takes else 0
+        if not 0 < readers <= MAX_RANKS or not len(qs):  # (more is damage, which verify reports)
+            return np.zeros(len(qs), bool)
+        ends = self._reach(readers, horizon)
+        return qs < ends[(qs % self.length) % readers]
+
+    def _reach(self, readers: int, horizon: float) -> np.ndarray:
+        """Each rank's taken end, moved on by the positions its readers take in ``horizon`` seconds: the pace of each
+        end, measured in this process between its calls (a moving average, so that one batch's step is not
+        taken for a speed; 0 until measured, and for readers that wait for producers, which take nothing)."""
+        ends = self.words[TAKEN:TAKEN + readers].astype(np.int64)
+        now = time.monotonic()
+        last, seen, pace = self._pace
+        if seen.shape == ends.shape and now > last:
+            moved = np.maximum(ends - seen, 0) / (now - last)
+            pace = moved if pace.shape != ends.shape else pace + 0.3 * (moved - pace)
+        elif pace.shape != ends.shape:
+            pace = np.zeros(len(ends))
+        self._pace = (now, ends, pace)
+        return ends + (pace * horizon).astype(np.int64)
+
+    def claim(self, limit: int = 1, horizon: float = 0.0) -> list[int]:
+        """The next sequence numbers to produce, at most ``limit``, each claimed (its row's byte locked) under one
+        acquisition of the writer lock: from ``next`` on, at most ``S`` ahead of the slowest consumer, skipping the
+        positions their readers have taken (``take``), and those they will have reached in ``horizon`` seconds, the
+        caller's time to compute and publish the run: a producer behind its readers works where its values will
+        still be read, and its readers do not wait for it. Empty when the ring is full. A position a producer
+        claimed and did not publish (it died, its source raised, its value found no heap room) is computed by its
+        reader."""
+        return self.state.under_lock(lambda: self._claim_locked(limit, horizon))
+
+    def _claim_locked(self, limit: int, horizon: float) -> list[int]:
         if not self.length:  # a node of a job with more ranks than samples: it holds nothing
             return []
         low = self.low()
-        first = q = max(int(self.words[NEXT]), low)
-        end = min(low + self.slots, q + limit, q + self.slots - q % self.slots)  # (rows q % S on, not wrapping)
-        if end - q > 1 and self.claims.try_claim(q % self.slots, end - q):  # the run's rows in one lock
-            q = end
-        while q < end and self.claims.try_claim(q % self.slots):
-            q += 1
-        if q > first:
-            self.words[NEXT] = q
-            return list(range(first, q))
-        lost = self._reclaim_locked(low, first)
-        return [] if lost is None else [lost]
+        first, end = max(int(self.words[NEXT]), low), low + self.slots
+        if first >= end:
+            return []
+        qs = np.arange(first, end, dtype=np.int64)
+        free = qs[~self.taken(qs, horizon)]
+        claimed: list[int] = []
+        if len(free):
+            chosen = free[:limit]
+            # Runs of consecutive positions whose rows do not wrap: one lock each (a rank's taken positions are
+            # every L-th: the others are claimed one at a time).
+            cut = np.flatnonzero((np.diff(chosen) != 1) | (chosen[1:] % self.slots == 0)) + 1
+            for run in np.split(chosen, cut):
+                q, count = int(run[0]), len(run)
+                if count > 1 and self.claims.try_claim(q % self.slots, count):
+                    claimed += run.tolist()
+                    continue
+                held = next((k for k in range(count) if not self.claims.try_claim((q + k) % self.slots)), count)
+                claimed += run[:held].tolist()
+                if held < count:  # a reader testing that row for an instant: claim it next time
+                    break
+        # Below next now: the claimed positions, and the taken ones before them (their readers' to compute).
+        self.words[NEXT] = claimed[-1] + 1 if claimed else (end if not len(free) else int(free[0]))
+        return claimed
 
-    def _reclaim_locked(self, low: int, end: int) -> int | None:
-        """A position in ``[low, end)`` claimed by a producer that died before publishing it, now claimed by us."""
-        qs = np.arange(low, min(end, low + self.slots), dtype=np.int64)
-        lost = qs[~self.state.filled_rows(qs % self.slots, qs)]
-        for q in lost[:64].tolist():
-            if self.claims.try_claim(q % self.slots):
-                return q
-        return None
+    def producer_holds(self, q: int) -> bool:
+        """Whether a producer holds position ``q``'s claim now (it is computing it, or holding its value for heap
+        room): a reader that computes what it does not find waits for it instead of computing it too."""
+        if q >= self.low() + self.slots:
+            return False  # no producer may claim it yet
+        row = q % self.slots
+        if not self.claims.try_claim(row):
+            return True
+        self.claims.release(row)
+        return False
 
     def abandoned(self, q: int) -> bool:
         """Whether position ``q`` was claimed and given up: claimed before (below the next position), not in its
