@@ -17,7 +17,7 @@ from ..errors import WorkerStartError
 from . import loader_state
 from .collate import PadCollate
 from .order import BatchOrder
-from .stream import StreamLoader
+from .stream_loader import StreamLoader
 
 
 class BatchReader(Protocol):
