@@ -1,7 +1,7 @@
 """Smoke test of ``tools/bench.py``: a quick run completes and reports every target and every row.
 
 It asserts nothing about speed (benchmarks are tools, not timed assertions), but it does check what makes the
-numbers usable: every target the project declares (``tools/bench_targets.py``) comes out as a number with its
+numbers usable: every target the project declares (``tools/benchmark/targets.py``) comes out as a number with its
 verdict and the load average it was measured under, and from both sides of an interleaved measurement.
 """
 
@@ -16,8 +16,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from bench import ON_REQUEST  # noqa: E402
-from bench_targets import TARGETS  # noqa: E402
+from benchmark.run import ON_REQUEST  # noqa: E402
+from benchmark.targets import TARGETS  # noqa: E402
 
 # Rows per group of a quick run (the stocaching rows are skipped here: they need their own numpy<2 venv). A group
 # losing rows, or a target, is a change to review, not noise.

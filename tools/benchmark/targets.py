@@ -1,6 +1,6 @@
 """The project's benchmark targets (issues 11 and 14 and the earlier ones): what is compared, and how it must come out.
 
-Every ratio of a timing is measured with both sides interleaved in one run (``bench_core.interleave``); "x" below
+Every ratio of a timing is measured with both sides interleaved in one run (``benchmark.core.interleave``); "x" below
 is the first side's rate over the second's, unless the text says "time". Kept apart from the code that measures
 them, so the test suite can check that a run reports every one of them.
 """
