@@ -38,6 +38,7 @@ from benchmark.groups import (
     stocaching,
     stream,
     streamnodes,
+    text,
     tokens,
     waysin,
 )
@@ -57,6 +58,7 @@ GROUPS: dict[str, Callable[[Config, Results], None]] = {
     "dict": functools.partial(fixed.run_fixed, DICT),
     "tokens": tokens.run_tokens,
     "captions": captions.run_captions,
+    "text": text.run_text,  # LLM-shaped samples against what LLM users read them with (issue 40)
     # stream mode (issue 12) and node shares (issue 13)
     "stream": stream.run_stream,
     "streamnodes": streamnodes.run_stream_nodes,  # a stream over 2 nodes (issue 27)
@@ -71,10 +73,11 @@ GROUPS: dict[str, Callable[[Config, Results], None]] = {
 }
 
 
-# Groups run only when named in --only: streamnodes starts two torchrun jobs of 4 ranks per round and mode, and
-# waysin builds start worker processes (each half a minute of both cores or more even with --quick, which the test
+# Groups run only when named in --only: streamnodes starts two torchrun jobs of 4 ranks per round and mode,
+# waysin builds start worker processes, and text prepares HF datasets and litdata copies of its corpus and starts
+# DataLoader workers for every side (each half a minute of both cores or more even with --quick, which the test
 # suite's smoke run of every other group cannot spare).
-ON_REQUEST = {"streamnodes", "waysin"}
+ON_REQUEST = {"streamnodes", "text", "waysin"}
 
 
 def run_once(groups: list[str], cfg: Config) -> dict[str, Any]:
