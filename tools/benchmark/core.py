@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench_targets import TARGETS
+from benchmark.targets import TARGETS
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ class Results:
 
     def target(self, key: str, measured: float, load: list[float], note: str = "",
                sides: dict[str, Any] | None = None) -> None:
-        """Records target ``key`` (declared in ``bench_targets``) as measured, with its verdict and load."""
+        """Records target ``key`` (declared in ``benchmark.targets``) as measured, with its verdict and load."""
         spec = TARGETS[key]
         passed = verdict(measured, spec.op, spec.required)
         self.targets.append({"id": key, "group": spec.group, "target": spec.text, "measured": float(measured),
@@ -259,6 +259,11 @@ class Results:
         if comparison.profiled and ({a, b} & set(comparison.profiled.split(", "))):
             note = f"{note}; PROFILED ({comparison.profiled}): not a valid measurement".lstrip("; ")
         self.target(key, comparison.ratio(a, b), comparison.load(), note, sides)
+
+
+def info(results: Results, group: str, cmp: Comparison, a: str, b: str, name: str) -> None:
+    """A ratio row without a target (same interleaved measurement as the targets beside it)."""
+    results.row(group, f"ratio {name}", cmp.ratio(a, b), "x", "interleaved, from best rounds", cmp.load())
 
 
 def verdict(value: float, op: str, required: float) -> bool:

@@ -1,7 +1,10 @@
-"""The workload groups: each builds its data, its cache and its baselines once, then runs its comparisons.
+"""Groups ``images12k``, ``images150k``, ``tabular`` and ``dict`` (issues 11 and 14): a fixed-shape workload's warm
+reads against the raw gather and its in-memory baseline, then its cold first epoch against the bare source.
 
-Every comparison is one ``interleave`` call: the sides a target compares (and the rows shown beside them) run in
-turn, round after round, in this process with ``num_workers=0`` unless a row says otherwise.
+Each builds its data, its cache and its baselines once, then runs its comparisons (the workloads are defined in
+``benchmark.workloads``). Every comparison is one ``interleave`` call: the sides a target compares (and the rows
+shown beside them) run in turn, round after round, in this process with ``num_workers=0`` unless a row says
+otherwise. 12 KB images also measure ``ds[i]`` against a bare copy and the loaders with two workers.
 """
 
 from __future__ import annotations
@@ -10,39 +13,18 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable
 from typing import Any
 
-import bench_sources as src
 import numpy as np
 import torch
-from bench_core import Comparison, Config, Results, Side, Timed, interleave, load_now
-from bench_targets import TARGETS
-from bench_workloads import (
-    CAPTIONS_N,
-    CAPTIONS_QUICK_N,
-    IMAGES12K,
-    TOKENS_N,
-    TOKENS_QUICK_N,
-    FixedWorkload,
-    workspace,
-    write_fields,
-    write_packed,
-)
 from torch.utils.data import DataLoader, TensorDataset
 
-from mmapcache import MmapCachedDataset, PadCollate
-
-# Shuffled single-sample reads per measured pass (ds[i] rows).
-PER_SAMPLE = 20000
-
-
-def epoch(loader: Iterable[Any]) -> Callable[[], None]:
-    """One pass over ``loader`` (a warm epoch; the loader and its workers persist between passes)."""
-    def run() -> None:
-        for _ in loader:
-            pass
-    return run
+from benchmark import sources as src
+from benchmark.core import Config, Results, Side, Timed, info, interleave
+from benchmark.epochs import epoch, raw_gather
+from benchmark.targets import TARGETS
+from benchmark.workloads import IMAGES12K, PER_SAMPLE, FixedWorkload, workspace, write_fields
+from mmapcache import MmapCachedDataset
 
 
 def run_fixed(w: FixedWorkload, cfg: Config, results: Results) -> None:
@@ -73,27 +55,6 @@ def in_memory(w: FixedWorkload, paths: dict[str, str]) -> Any:
         return TensorDataset(*arrays.values())
     n = len(next(iter(arrays.values())))
     return [{name: int(a[i]) if a.ndim == 1 else a[i] for name, a in arrays.items()} for i in range(n)]
-
-
-def raw_gather(ds: MmapCachedDataset, n: int, batch: int, buffers: int = 1) -> Callable[[], None]:
-    """An epoch of the raw limit: per batch, the sorted shuffled rows taken with ``np.take`` per field into
-    preallocated buffers, straight from the cache's own ``.npy`` memmaps.
-
-    With ``buffers=2`` the batches alternate between two sets of buffers, as any loader's must while the loop
-    still holds the previous batch: a batch of several MB then no longer stays in the CPU's caches between uses.
-    """
-    arrays = [np.asarray(np.load(os.path.join(ds.path, spec["file"]), mmap_mode="r"))[:n]
-              for spec in ds._store.meta["fields"]]
-    sets = [[np.empty((batch, *a.shape[1:]), a.dtype) for a in arrays] for _ in range(buffers)]
-    rng = np.random.default_rng(1)
-
-    def run() -> None:
-        perm = rng.permutation(n)
-        for j, k in enumerate(range(0, n, batch)):
-            rows = np.sort(perm[k:k + batch])
-            for a, out in zip(arrays, sets[j % buffers]):
-                np.take(a, rows, axis=0, out=out[:len(rows)], mode="clip")
-    return run
 
 
 def warm(w: FixedWorkload, cfg: Config, results: Results, ds: MmapCachedDataset, baseline: Any, n: int) -> None:
@@ -128,11 +89,6 @@ def warm(w: FixedWorkload, cfg: Config, results: Results, ds: MmapCachedDataset,
         info(results, w.name, cmp, "loader", "baseline", f"{w.title}: ds.loader vs {w.baseline}")
     if w.getitems:
         results.compared(f"{w.name}.getitems_vs_baseline", cmp, "getitems", "baseline")
-
-
-def info(results: Results, group: str, cmp: Comparison, a: str, b: str, name: str) -> None:
-    """A ratio row without a target (same interleaved measurement as the targets beside it)."""
-    results.row(group, f"ratio {name}", cmp.ratio(a, b), "x", "interleaved, from best rounds", cmp.load())
 
 
 def per_sample(w: FixedWorkload, cfg: Config, results: Results, ds: MmapCachedDataset, n: int) -> None:
@@ -227,81 +183,3 @@ def cold(w: FixedWorkload, cfg: Config, results: Results, paths: dict[str, str],
     floor = 1 + cmp.sides["bare"].best_rate / cmp.sides["store"].best_rate
     results.row(w.name, f"{w.title}: cold floor, (bare epoch + tmpfs store) / bare epoch", floor, "x",
                 "interleaved, from best rounds", cmp.load())
-
-
-def run_tokens(cfg: Config, results: Results) -> None:
-    """Ragged token ids: the fused padding loader against a python list of tensors, and the heap's bytes."""
-    n = cfg.size(TOKENS_N, TOKENS_QUICK_N)
-    b = cfg.batch
-    with workspace("tokens") as tmp:
-        paths = write_packed(tmp, "tokens", n)
-        source = src.PackedSource(paths["values"], paths["offsets"], "tokens")
-        ds = MmapCachedDataset(os.path.join(tmp, "cache"), source, ragged=["<sample>"])
-        try:
-            ds.fill()
-            tensors = [source[i] for i in range(n)]
-            pad = PadCollate(0)
-            sides = [Side("loader", epoch(ds.loader(batch_size=b, shuffle=True, collate_fn=pad)), n),
-                     Side("list", epoch(DataLoader(tensors, batch_size=b, shuffle=True, collate_fn=pad)), n),
-                     Side("dataloader", epoch(DataLoader(ds, batch_size=b, shuffle=True, collate_fn=pad)), n)]
-            cmp = interleave(sides, cfg.rounds, min_time=cfg.min_time)
-            results.sides("tokens", cmp, {
-                "loader": "token ids: mmapcache ds.loader(collate_fn=PadCollate(0)), nw=0",
-                "list": "token ids: list of tensors + DataLoader(collate_fn=PadCollate(0)), nw=0",
-                "dataloader": "token ids: mmapcache DataLoader(ds, collate_fn=PadCollate(0)), nw=0"},
-                note=f"N={n}, lengths 16..512")
-            results.compared("tokens.loader_vs_list", cmp, "loader", "list")
-            values = sum(t.numel() * t.element_size() for t in tensors)
-            index = 8 * (2 + 1) * ds._store.rows  # [offset, nbytes, length] per row
-            end, capacity = (int(x) for x in ds._store.heap_counters[0][:2])
-            load = load_now()
-            results.row("tokens", "token ids: the values' own bytes", values, "bytes", f"N={n}", load)
-            results.row("tokens", "token ids: heap end (used bytes)", end, "bytes", "heaps.u64 counter", load)
-            results.row("tokens", "token ids: heap capacity", capacity, "bytes", "heaps.u64 counter", load)
-            results.row("tokens", "token ids: index bytes (offset, nbytes, length per row)", index, "bytes", "", load)
-            results.row("tokens", "ratio token ids: heap capacity + index vs values + index",
-                        (capacity + index) / (values + index), "x", "what the files reserve", load)
-            results.target("tokens.heap_bytes", (end + index) / (values + index), load,
-                           f"heap end {end:,}, capacity {capacity:,}, values {values:,}, index {index:,} bytes")
-        finally:
-            ds.close()
-
-
-def run_captions(cfg: Config, results: Results) -> None:
-    """A str field read through ``ds[i]`` against a python list of the same samples indexed the same way."""
-    n = cfg.size(CAPTIONS_N, CAPTIONS_QUICK_N)
-    b = cfg.batch
-    with workspace("captions") as tmp:
-        paths = write_packed(tmp, "captions", n)
-        source = src.PackedSource(paths["values"], paths["offsets"], "captions", paths["labels"])
-        ds = MmapCachedDataset(os.path.join(tmp, "cache"), source)
-        try:
-            ds.fill()
-            samples = [source[i] for i in range(n)]
-            order = np.random.default_rng(2).permutation(n)[:PER_SAMPLE].tolist()
-
-            def read_ds() -> None:
-                for i in order:
-                    ds[i]
-
-            def read_list() -> None:
-                for i in order:
-                    samples[i]
-
-            sides = [Side("ds", read_ds, len(order)), Side("list", read_list, len(order)),
-                     Side("loader_ds", epoch(DataLoader(ds, batch_size=b, shuffle=True)), n),
-                     Side("loader_list", epoch(DataLoader(samples, batch_size=b, shuffle=True)), n),
-                     Side("loader", epoch(ds.loader(batch_size=b, shuffle=True)), n)]
-            cmp = interleave(sides, cfg.rounds, min_time=cfg.min_time)
-            results.sides("captions", cmp, {
-                "ds": "str captions: mmapcache ds[i]", "list": "str captions: list[i]",
-                "loader_ds": "str captions: mmapcache DataLoader(ds), default collate, nw=0",
-                "loader_list": "str captions: DataLoader(list), default collate, nw=0",
-                "loader": "str captions: mmapcache ds.loader(), nw=0"},
-                note=f"N={n}, 20..200 chars + int label")
-            results.compared("captions.getitem_vs_list", cmp, "ds", "list", "list[i] returns a reference, no copy")
-            info(results, "captions", cmp, "loader_ds", "loader_list",
-                 "str captions: DataLoader(ds) vs DataLoader(list)")
-            info(results, "captions", cmp, "loader", "loader_list", "str captions: ds.loader vs DataLoader(list)")
-        finally:
-            ds.close()

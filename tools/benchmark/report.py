@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_core import verdict
+
+from benchmark.core import verdict
 
 
 def machine() -> dict[str, Any]:

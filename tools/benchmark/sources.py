@@ -1,5 +1,5 @@
 """Source datasets and process bodies for ``tools/bench.py``: importable by spawned processes and by
-``mmapcache build --dataset tools/bench_sources.py:NAME``.
+``mmapcache build --dataset tools/benchmark/sources.py:NAME``.
 
 Every source is deterministic (a sample depends only on its index), so a cache built by one process can be read
 and checked by another.
@@ -141,7 +141,7 @@ class CpuBound(Dataset):
 
 
 def cpu_bound(n: int = 2000, shape: list[int] | None = None, work: int = 4000) -> CpuBound:
-    """Factory for ``mmapcache build --dataset tools/bench_sources.py:cpu_bound --kwargs '{"n": 2000}'``."""
+    """Factory for ``mmapcache build --dataset tools/benchmark/sources.py:cpu_bound --kwargs '{"n": 2000}'``."""
     return CpuBound(n, tuple(shape or (3, 32, 32)), work)
 
 

@@ -1,4 +1,4 @@
-"""One rank of the multi-node stream benchmark (``bench_modes.run_stream_nodes``), started by torchrun.
+"""One rank of the multi-node stream benchmark (``benchmark.groups.streamnodes``), started by torchrun.
 
 ``--mode stream``: every rank opens its node's stream (``MMAPCACHE_DIR`` is the node's own), local rank 0 starts
 ``--producers`` producers and waits for the ring to fill, then every rank reads ``--epochs`` epochs through
@@ -17,9 +17,9 @@ import os
 import time
 
 import torch.distributed as dist
-from bench_modes import Augmented
 from torch.utils.data import DataLoader, DistributedSampler
 
+from benchmark.groups.stream import Augmented
 from mmapcache import MmapCachedDataset
 
 

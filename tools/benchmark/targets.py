@@ -1,6 +1,6 @@
 """The project's benchmark targets (issues 11 and 14 and the earlier ones): what is compared, and how it must come out.
 
-Every ratio of a timing is measured with both sides interleaved in one run (``bench_core.interleave``); "x" below
+Every ratio of a timing is measured with both sides interleaved in one run (``benchmark.core.interleave``); "x" below
 is the first side's rate over the second's, unless the text says "time". Kept apart from the code that measures
 them, so the test suite can check that a run reports every one of them.
 """
@@ -64,4 +64,17 @@ TARGETS: dict[str, Target] = {
     "waysin.build2_12k": Target("waysin", "12 KB rows: build, 2 workers vs 1 (rate)", ">=", 1.0),
     "waysin.getitem_over_source": Target("waysin", "64 B rows: ds[i] cold, us over the source", "<=", 15.0),
     "waysin.prefill": Target("waysin", "prefill() of 1M 64 B rows, time x a cold ds.loader epoch", "<=", 1.15),
+    # text (issue 40), a group run on request (--only text): padded batches of HF-shaped samples, each table's
+    # mmapcache side (ds.loader + PadCollate) against what LLM users read the same corpus with
+    **{f"text.b{b}.nw{w}.vs_list": Target(
+        "text", f"text b{b} nw{w}: ds.loader+PadCollate vs list of dicts+pad_sequence", ">=", 1.5)
+       for w in (0, 2) for b in (64, 256)},
+    **{f"text.b{b}.nw{w}.vs_hf": Target(
+        "text", f"text b{b} nw{w}: ds.loader+PadCollate vs HF datasets+pad_sequence", ">=", 4.0)
+       for w in (0, 2) for b in (64, 256)},
+    "text.cache_bytes_vs_hf": Target("text", "text: cache bytes on /dev/shm vs HF Arrow bytes (int32 ids, int8 mask)",
+                                     "<=", 1.0),
+    "text.cold": Target("text", "text: cold epoch time, new cache + ds.loader vs 20 us source", "<=", 1.3),
+    "text.getitem_over_source": Target("text", "text: ds[i] cold, us over the 20 us source", "<=", 10.0),
+    "text.build_scaling": Target("text", "text: build, 2 workers vs 1 (CPU-bound text source)", ">=", 1.6),
 }

@@ -1,5 +1,5 @@
-"""Benchmark group ``waysin`` (issue 28): the ways samples get into a cache, per sample, against the bare source and
-against the loader's own batched misses, on cheap sources where the cache's cost shows.
+"""Group ``waysin`` (issue 28, run on request): the ways samples get into a cache, per sample, against the bare
+source and against the loader's own batched misses, on cheap sources where the cache's cost shows.
 
 Two workloads: 64-byte rows and 12 KB rows, each with an int label, from a source that copies its row into a new
 tensor (``torch.from_numpy(row.copy())``, a few microseconds a sample, as a cheap preprocessing would). Sides, run
@@ -24,16 +24,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_core import Config, Results, Side, Timed, interleave, load_now
-from bench_workloads import workspace
 from torch.utils.data import DataLoader, Dataset
 
 import mmapcache
+from benchmark.core import Config, Results, Side, Timed, interleave, load_now
+from benchmark.workloads import workspace
 from mmapcache import MmapCachedDataset
 from mmapcache.fill.producer import SourceFactory, produce
 from mmapcache.store.ring import NEXT
-
-TOOLS = os.path.dirname(os.path.abspath(__file__))
 
 
 class Rows(Dataset):
@@ -51,7 +49,7 @@ class Rows(Dataset):
 
 
 def rows(n: int = 1000, row_bytes: int = 64) -> Rows:
-    """The build's dataset spec (``bench_ways.py:rows``)."""
+    """The build's dataset spec (``benchmark.groups.waysin:rows``)."""
     return Rows(n, row_bytes)
 
 
@@ -134,7 +132,7 @@ def _ways(cfg: Config, results: Results, tmp: str, name: str, row_bytes: int, n:
 
     def build(workers: int) -> Timed:
         path = os.path.join(tmp, uuid.uuid4().hex[:8])
-        report = mmapcache.build(path, os.path.join(TOOLS, "bench_ways.py") + ":rows",
+        report = mmapcache.build(path, "benchmark.groups.waysin:rows",
                                  kwargs={"n": n, "row_bytes": row_bytes}, workers=workers, ragged=None, progress=False)
         shutil.rmtree(path)
         rows, seconds = report.steady  # from the first chunk's result to the last: no start-up

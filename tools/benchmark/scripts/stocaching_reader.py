@@ -1,8 +1,8 @@
-"""The stocaching row of ``tools/bench.py``, run in its own virtual environment (stocaching needs numpy < 2).
+"""The stocaching rows of ``tools/bench.py``, run in its own virtual environment (stocaching needs numpy < 2).
 
-Usage: ``python tools/bench_stocaching.py IMAGES.npy LABELS.npy BATCH EPOCHS WORKERS...``; prints one JSON object,
-``{"nw0": samples_per_s, ...}``, on its last line of output. The cache is filled by a first epoch in the main
-process; the best of ``EPOCHS`` warm, shuffled epochs with default collation is reported.
+Usage: ``python tools/benchmark/scripts/stocaching_reader.py IMAGES.npy LABELS.npy BATCH EPOCHS WORKERS...``;
+prints one JSON object, ``{"nw0": samples_per_s, ...}``, on its last line of output. The cache is filled by a first
+epoch in the main process; the best of ``EPOCHS`` warm, shuffled epochs with default collation is reported.
 """
 
 from __future__ import annotations

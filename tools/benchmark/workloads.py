@@ -1,7 +1,7 @@
 """The benchmark's workloads: what each sample is, how many, and their data written once to ``/dev/shm``.
 
 Each workload's data lives in its own directory (``workspace``), removed when the workload is done, even when it
-fails. The sources that read it back are in ``bench_sources`` (importable by DataLoader workers).
+fails. The sources that read it back are in ``benchmark.sources`` (importable by DataLoader workers).
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ FIXED = (IMAGES12K, IMAGES150K, TABULAR, DICT)
 # Issue 14: token ids of uniform length 16..512 (int64); captions of 20..200 characters with an int label.
 TOKENS_N, TOKENS_QUICK_N, TOKEN_LENGTHS = 50000, 2000, (16, 512)
 CAPTIONS_N, CAPTIONS_QUICK_N, CAPTION_LENGTHS = 50000, 2000, (20, 200)
+
+# Shuffled single-sample reads per measured pass (ds[i] rows).
+PER_SAMPLE = 20000
 
 
 def write_fields(directory: str, workload: FixedWorkload, n: int, seed: int = 0) -> dict[str, str]:
