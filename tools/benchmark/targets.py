@@ -55,6 +55,12 @@ TARGETS: dict[str, Target] = {
     # side groups
     "memory.pss": Target("memory", "memory: readers' summed PSS growth vs data size", "<=", 1.05),
     "build.scaling": Target("build", "build: 2 workers vs 1 worker (CPU-bound source)", ">=", 1.8),
+    # issue 38: one producer per node behind its trainers (a group run on request, --only streamnodes)
+    "streamnodes.behind_served": Target(
+        "streamnodes", "2 nodes, producers behind: their values served (those ahead at the job's end excepted)", ">=",
+        0.9),
+    "streamnodes.behind_time": Target(
+        "streamnodes", "2 nodes, producers behind: epoch time, stream / trainers computing every sample", "<=", 1.0),
     # ways in (issue 28), a group run on request (--only waysin): "x" is time, not rate
     "waysin.fill_64": Target("waysin", "64 B rows: ds.fill() time x the loader's batched misses", "<=", 1.15),
     "waysin.fill_12k": Target("waysin", "12 KB rows: ds.fill() time x the loader's batched misses", "<=", 1.15),

@@ -1,12 +1,14 @@
 """One rank of the multi-node stream benchmark (``benchmark.groups.streamnodes``), started by torchrun.
 
 ``--mode stream``: every rank opens its node's stream (``MMAPCACHE_DIR`` is the node's own), local rank 0 starts
-``--producers`` producers and waits for the ring to fill, then every rank reads ``--epochs`` epochs through
-``ds.loader()``, sleeping ``--step`` seconds per batch (the training step). ``--mode inline``: the same job with the
-augmentation done in ``--workers`` DataLoader workers per rank (``DistributedSampler``), as without mmapcache.
-Each rank writes ``{"epochs": [{"wait", "elapsed", "served", "computed"}]}`` to ``<out>/rank<R>.json``: the time it
-waited for its batches, the epoch's time, and (stream) its node's values served from the ring and computed by
-readers during the epoch.
+``--producers`` producers and (unless ``--no-fill``) waits for the ring to fill, then every rank reads ``--epochs``
+epochs through ``ds.loader()`` (with ``--workers`` DataLoader workers, ``--stream-workers``), sleeping ``--step``
+seconds per batch (the training step). ``--mode inline``: the same job with the augmentation done in ``--workers``
+DataLoader workers per rank (``DistributedSampler``; 0: in the rank's own process), as without mmapcache.
+Each rank writes ``{"epochs": [{"wait", "elapsed", "served", "computed"}], "node": {...}}`` to ``<out>/rank<R>.json``:
+the time it waited for its batches, the epoch's time, (stream) its node's values served from the ring and computed by
+readers during the epoch, and at the end its node's counters (``produced``, ``served``, ``computed``, ``skipped``,
+``ahead``: produced and not yet read when the job ended).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--producers", type=int, default=2)
+    parser.add_argument("--stream-workers", type=int, default=0)
+    parser.add_argument("--no-fill", action="store_true", help="start reading at once, the ring empty")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
@@ -43,16 +47,17 @@ def main() -> None:
         per_node = args.samples // 2
         ds = MmapCachedDataset("aug", source, stream=True, seed=0,
                                max_bytes=(per_node // 2) * (3 * 64 * 64 + 8 + 8 + 64))  # half a node's epoch
-        if local == 0:
+        if local == 0 and args.producers:
             producer = ds.produce(workers=args.producers)
             deadline = time.monotonic() + 120
-            while ds.stream_stats["ahead"] < ds.stream_stats["slots"] * 0.9 and time.monotonic() < deadline:
+            while not args.no_fill and ds.stream_stats["ahead"] < ds.stream_stats["slots"] * 0.9 and \
+                    time.monotonic() < deadline:
                 time.sleep(0.05)  # the ring fills before training starts, as a prefetcher's buffer would
-        loader = ds.loader(batch_size=args.batch_size)
+        loader = ds.loader(batch_size=args.batch_size, num_workers=args.stream_workers)
     else:
         sampler = DistributedSampler(source, seed=0)
         loader = DataLoader(source, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
-                            persistent_workers=True)
+                            persistent_workers=args.workers > 0)
     dist.barrier()
     epochs = []
     for epoch in range(args.epochs):
@@ -76,10 +81,13 @@ def main() -> None:
             record.update(served=after["served"] - before["served"], computed=after["computed"] - before["computed"])
         epochs.append(record)
     dist.barrier()
+    node = {}
+    if ds is not None:
+        node = {key: value for key, value in ds.stream_stats.items() if key != "producers"}
     if producer is not None:
         producer.stop()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "epochs": epochs}, f)
+        json.dump({"rank": rank, "epochs": epochs, "node": node}, f)
     dist.barrier()
     dist.destroy_process_group()
 
