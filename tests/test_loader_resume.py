@@ -86,16 +86,29 @@ def test_a_state_between_epochs_starts_the_next_one(cache: MmapCachedDataset) ->
     assert [labels(b) for b in fresh] == expected != first
 
 
-@pytest.mark.parametrize("other", [{"batch_size": 5}, {"drop_last": True}, {"rank": 0, "world_size": 2},
-                                   {"shuffle": False}])
+@pytest.mark.parametrize("other", [{"drop_last": True}, {"shuffle": False}, {"seed": 9},
+                                   {"sampler": "sequential", "shuffle": False}])
 def test_a_state_of_another_loader_is_refused(cache: MmapCachedDataset, other: dict[str, Any]) -> None:
+    # (Another number of ranks or batch size is an elastic resume of the own order: test_resume_anywhere.py.)
     loader = cache.loader(batch_size=4, shuffle=True)
     next(iter(loader))
     state = loader.state_dict()
+    if other.get("sampler") == "sequential":
+        other = {**other, "sampler": torch.utils.data.SequentialSampler(cache)}
     with pytest.raises(ValueError, match=r"saved by a loader of another shape \(.* in the state, .* here"):
         cache.loader(**{"batch_size": 4, "shuffle": True, **other}).load_state_dict(state)
     with pytest.raises(ValueError, match=r"not a state of ds\.loader"):
         loader.load_state_dict({"epoch": 0})
+
+
+def test_a_user_samplers_state_is_refused_on_another_number_of_ranks(cache: MmapCachedDataset) -> None:
+    """A user's sampler decides the split itself: its state cannot be taken up elastically."""
+    sampler = torch.utils.data.distributed.DistributedSampler(cache, num_replicas=2, rank=0, seed=1)
+    loader = cache.loader(batch_size=4, sampler=sampler, rank=0, world_size=2)
+    next(iter(loader))
+    other = torch.utils.data.distributed.DistributedSampler(cache, num_replicas=4, rank=0, seed=1)
+    with pytest.raises(ValueError, match=r"world_size 2 in the state, 4 here|another shape"):
+        cache.loader(batch_size=4, sampler=other, rank=0, world_size=4).load_state_dict(loader.state_dict())
 
 
 def test_a_state_of_another_dataset_length_is_refused(cache: MmapCachedDataset, shm_dir: str) -> None:

@@ -60,6 +60,8 @@ from torch.utils.data import (
 
 from ..errors import DistributedOrderWarning, warn
 from ..store.share import job_rank_and_size
+from .draws import epoch_indices, global_order
+from .epoch_split import interleaved
 from .resume import (
     EpochStart,
     Resume,
@@ -130,6 +132,11 @@ class BatchOrder(DistributedSampler):
         self.trusted = sampler is None and batch_sampler is None  # our own indices: int64 arrays, in range
         self.started: EpochStart | None = None  # the epoch being iterated, as drawn
         self.skipped = 0  # the batches of ``started`` skipped by a resume (yielded before the interruption)
+        # Where the pass in flight started in the epoch's order (positions the job had read: a resume of another
+        # job's state, read.epoch_split), the job size whose rule drew that order (None: this one's), and how many
+        # batches the pass has from there.
+        self.base, self.pass_batches = 0, 0
+        self.drawn_by: int | None = None
         self.draws_base_seed = False  # set by a loader without workers: draw DataLoader's workers' base seed first
         self.resume: Resume | None = None  # set by CacheLoader.load_state_dict
         self.sets_seen = ds.epoch_sets  # the dataset's set_epoch count when this order was made or last began a pass
@@ -221,6 +228,11 @@ class BatchOrder(DistributedSampler):
             self.restore(resume.start, epoch=False)
             start = self.start()
         skip = resume.skip if resume is not None and resume.same_epoch else 0
+        # Read from another position of the order than a whole number of this job's batches (read.epoch_split): a
+        # state of another number of ranks or batch size, or of a pass that itself resumed one.
+        elastic = resume is not None and resume.same_epoch and resume.offset is not None
+        self.base = resume.offset if elastic and resume.offset is not None else 0  # type: ignore[union-attr]
+        self.drawn_by = resume.world if elastic else None  # type: ignore[union-attr]
         self.started, self.skipped = start, skip
         self.record_draw(start.epoch, start.repeat)
         # A resumed epoch whose sampler drew from torch's global generator draws again from the recorded state.
@@ -232,13 +244,14 @@ class BatchOrder(DistributedSampler):
                     batches = list(batches)
         else:
             with global_rng(again):
-                indices = self._indices(start)
+                indices = self._indices(start, self.base, self.drawn_by)
             size = self.batch_size
             if size is None:
                 batches = indices.tolist()
             else:
                 stop = len(indices) - len(indices) % size if self.drop_last else len(indices)
                 batches = [indices[a:a + size] for a in range(0, stop, size)]
+            self.pass_batches = len(batches)
         yield from zip(itertools.repeat(start.epoch), itertools.islice(batches, skip, None))
 
     def settle(self) -> None:
@@ -257,8 +270,9 @@ class BatchOrder(DistributedSampler):
             if self.user_batch_sampler is not None:
                 for _ in self.user_batch_sampler:
                     pass
-            elif not self.own or (self.shuffle and self.generator is not None and self.placement()[1] == 1):
-                self._indices(resume.start)
+            elif not self.own or (self.shuffle and self.generator is not None and
+                                  (resume.world or self.placement()[1]) == 1):
+                self._indices(resume.start, world=resume.world)
 
     def start(self) -> EpochStart:
         """What this epoch is drawn from, recorded before the draw (``read.resume``)."""
@@ -340,8 +354,10 @@ class BatchOrder(DistributedSampler):
         sampler = self._sampler()
         return getattr(sampler, "generator", None)
 
-    def _indices(self, start: EpochStart) -> np.ndarray:
-        """This process's indices of the epoch ``start`` describes, in reading order (int64)."""
+    def _indices(self, start: EpochStart, offset: int = 0, world: int | None = None) -> np.ndarray:
+        """This process's indices of the epoch ``start`` describes, in reading order (int64): of a user's sampler,
+        or its part of the own order from position ``offset`` on, the order drawn as a job of ``world`` ranks draws
+        it (default: this job's; another for a state saved by another number of ranks: ``read.epoch_split``)."""
         n, epoch = len(self.ds), start.epoch
         if not self.own:
             return epoch_indices(self.user_sampler)
@@ -353,20 +369,22 @@ class BatchOrder(DistributedSampler):
                  f"each epoch across the job's ranks, so about {share.nodes - 1} in {share.nodes} of this rank's "
                  "samples lie outside this node's share and are computed from the source every epoch; pass "
                  "sampler=ds.sampler(shuffle=True), which keeps each rank on its node's share", DistributedOrderWarning)
-        if size == 1:
-            if not self.shuffle:
-                return np.arange(n, dtype=np.int64)
-            if self.generator is not None:
-                return epoch_indices(RandomSampler(range(n), generator=self.generator))
-            if start.repeat:  # read again without set_epoch: a new order, as with DataLoader(shuffle=True)
-                return np.random.default_rng([self.seed % 2**64, epoch % 2**64, start.repeat]).permutation(n)
-        elif self.shuffle and start.repeat and not self._warned:
+        drawn = size if world is None else world
+        if drawn > 1 and self.shuffle and start.repeat and not self._warned:
             self._warned = True
-            warn(f"ds.loader(shuffle=True) in a job of {size} processes read epoch {epoch}'s order again: as with "
+            warn(f"ds.loader(shuffle=True) in a job of {drawn} processes read epoch {epoch}'s order again: as with "
                  "DistributedSampler, the order changes with the epoch; call loader.sampler.set_epoch(epoch) (or "
                  "ds.set_epoch(epoch)) before each epoch", DistributedOrderWarning)
-        return distributed_indices(n, rank, size, self.shuffle, self.seed, epoch)
+        order = global_order(n, shuffle=self.shuffle, seed=self.seed, epoch=epoch, repeat=start.repeat, world=drawn,
+                             generator=self.generator)
+        return interleaved(order, offset, rank, size)
 
+    def batches_for(self, world: int, batch_size: int | None) -> int:
+        """Batches per epoch of the own order in a job of ``world`` ranks with batches of ``batch_size``."""
+        count = math.ceil(len(self.ds) / world)
+        if batch_size is None:
+            return count
+        return count // batch_size if self.drop_last else math.ceil(count / batch_size)
 
     def _warn_if_whole(self) -> None:
         """Warns (once) when a user's sampler gives every rank of a distributed job the whole dataset."""
@@ -381,49 +399,3 @@ class BatchOrder(DistributedSampler):
                  "every rank the whole dataset, so the ranks train on the same samples. Leave the sampler out "
                  "(ds.loader(shuffle=True) splits each epoch across the ranks), or pass ds.sampler() or a "
                  "DistributedSampler", DistributedOrderWarning)
-
-
-def distributed_indices(n: int, rank: int, size: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
-    """What ``DistributedSampler(dataset of n, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed)`` yields
-    after ``set_epoch(epoch)`` (``drop_last=False``), as one int64 array: the same draws."""
-    if shuffle:
-        generator = torch.Generator()
-        generator.manual_seed(seed + epoch)
-        order = torch.randperm(n, generator=generator).numpy().astype(np.int64, copy=False)
-    else:
-        order = np.arange(n, dtype=np.int64)
-    total = math.ceil(n / size) * size
-    order = np.resize(order, total)  # pads by repeating from the start, as DistributedSampler does
-    return order[rank:total:size]
-
-
-def epoch_indices(sampler: Any) -> np.ndarray:
-    """The indices ``iter(sampler)`` would yield, as one int64 array.
-
-    ``RandomSampler`` draws exactly as its ``__iter__`` does (torch 2.x): a seed from the global generator when it
-    has none of its own, then one ``randperm`` per pass over the data plus one for the remainder (without
-    replacement), or ``randint`` in chunks of 32 (with): the same calls on the same generator, so the same order
-    and the same generator state afterwards, without turning each index into a Python int. (Eagerly: a pass broken
-    off before its end has also drawn the last ``randperm``, which ``RandomSampler`` draws when it is exhausted.)
-    """
-    own = getattr(sampler, "epoch_indices", None)  # ShareSampler: the epoch as one array
-    if own is not None:
-        return own()
-    if type(sampler) is SequentialSampler:
-        return np.arange(len(sampler), dtype=np.int64)
-    if type(sampler) is RandomSampler:
-        n, count = len(sampler.data_source), sampler.num_samples
-        generator = sampler.generator
-        if generator is None:
-            seed = int(torch.empty((), dtype=torch.int64).random_().item())
-            generator = torch.Generator()
-            generator.manual_seed(seed)
-        if sampler.replacement:
-            parts = [torch.randint(high=n, size=(32,), dtype=torch.int64, generator=generator)
-                     for _ in range(count // 32)]
-            parts.append(torch.randint(high=n, size=(count % 32,), dtype=torch.int64, generator=generator))
-        else:
-            parts = [torch.randperm(n, generator=generator) for _ in range(count // n)]
-            parts.append(torch.randperm(n, generator=generator)[:count % n])
-        return torch.cat(parts).numpy().astype(np.int64, copy=False)
-    return np.fromiter(iter(sampler), np.int64, count=len(sampler))

@@ -44,12 +44,17 @@ class EpochStart:
 class Resume:
     """A loaded state, taken up by the next pass. With ``same_epoch``, a pass in flight: drawn again from
     ``start``, skipping its first ``skip`` batches, if the next pass is of ``start``'s epoch (else settled:
-    ``BatchOrder.settle``). Without, a state taken between passes whose generators are put back only after the next
-    pass's workers drew their base seed (persistent workers draw none there), for the epoch current then."""
+    ``BatchOrder.settle``); or, with ``offset`` (a state of another number of ranks or batch size, or of a pass
+    that itself resumed one: ``read.epoch_split``), the order drawn as a job of ``world`` ranks drew it, read from
+    position ``offset`` on by this job's ranks. Without ``same_epoch``, a state taken between passes whose
+    generators are put back only after the next pass's workers drew their base seed (persistent workers draw none
+    there), for the epoch current then."""
 
     start: EpochStart
     skip: int
     same_epoch: bool = True
+    offset: int | None = None
+    world: int | None = None
 
 
 def has_epoch(sampler: Any) -> bool:
