@@ -32,6 +32,7 @@ from .errors import (
 __all__ = [
     "__version__",
     "MmapCachedDataset",
+    "Mixture",
     "PadCollate",
     "Padded",
     "ShareSampler",
@@ -73,6 +74,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers
     from .dataset import MmapCachedDataset
     from .fill.build import build
     from .fill.driver import BuildReport
+    from .mixture import Mixture
     from .read.collate import PadCollate, Padded
     from .read.sampler import ShareSampler
     from .store.admin import gc, remove
@@ -82,6 +84,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers
 # that only opens a cache, so `mmapcache inspect` starts without importing torch.
 _LAZY = {
     "MmapCachedDataset": "dataset",
+    "Mixture": "mixture",
     "PadCollate": "read.collate",
     "Padded": "read.collate",
     "ShareSampler": "read.sampler",

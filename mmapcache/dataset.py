@@ -275,13 +275,17 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         # In a DataLoader worker the batch arrays are shared memory: default_collate hands them on as they are (see
         # mmapcache.collate), and they cross to the main process without a copy.
         alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
-        samples = reader.samples(self._gather(idx, self._epoch_view[0], alloc))
+        samples = reader.samples(self.gather_columns(idx, self._epoch_view[0], alloc))
         if self.transform is not None:
             samples = [self.transform(s) for s in samples]
         return samples
 
-    def _gather(self, idx: np.ndarray, epoch: int, alloc: Callable[..., np.ndarray] = np.empty) -> list[np.ndarray]:
-        """Per field, the batch of values of ``idx`` in request order; misses are computed and stored."""
+    def gather_columns(self, idx: np.ndarray, epoch: int,
+                       alloc: Callable[..., np.ndarray] = np.empty) -> list[np.ndarray]:
+        """Per field, the batch of values of ``idx`` (int64, valid) in request order, misses computed and stored:
+        a fixed field's array (made by ``alloc(shape, dtype)``, in field order), a ragged field's ``RaggedColumn``.
+        What ``read_batch`` collates (``collate_columns``); a mixture gathers its sources' parts with it. Safe
+        across processes and threads."""
         reader = self._ensure_open()
         keyed = self._rows.keyed
         rows = self._rows.rows_of(idx, epoch)
@@ -364,7 +368,11 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         reader = self._ensure_open()
         idx = np.asarray(indices) if trusted else check_indices(indices, self._length, self._where())
         alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
-        return reader.collate(self._gather(idx, self._epoch_view[0] if epoch is None else epoch, alloc), pad)
+        return reader.collate(self.gather_columns(idx, self._epoch_view[0] if epoch is None else epoch, alloc), pad)
+
+    def collate_columns(self, columns: list[Any], pad: Any = None) -> Any:
+        """``gather_columns``' columns as ``read_batch`` returns them (see ``RowReader.collate``)."""
+        return self._ensure_open().collate(columns, pad)
 
     def loader(self, **kwargs: Any) -> torch.utils.data.DataLoader:
         """A DataLoader over the cache that gathers each batch straight into its final tensors, splits each epoch

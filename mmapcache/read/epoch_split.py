@@ -30,10 +30,13 @@ import numpy as np
 __all__ = ["blocks", "consumed", "interleaved", "padded_rest"]
 
 
-def padded_rest(order: np.ndarray, offset: int, world: int) -> np.ndarray:
-    """``order[offset:]`` padded by repeating the order's start (cyclically) to a multiple of ``world``."""
+def padded_rest(order: np.ndarray, offset: int, world: int, total: int | None = None) -> np.ndarray:
+    """``order[offset:]`` padded by repeating the order's start (cyclically) to a multiple of ``world``, or to
+    ``total`` positions (at least the rest's: a node of a job whose nodes read orders of their own, every rank the
+    job's number of steps)."""
     rest = order[min(offset, len(order)):]
-    total = math.ceil(len(rest) / world) * world
+    if total is None:
+        total = math.ceil(len(rest) / world) * world
     if total == len(rest):
         return rest
     return np.concatenate((rest, np.resize(order, total - len(rest))))
@@ -45,10 +48,11 @@ def interleaved(order: np.ndarray, offset: int, rank: int, world: int) -> np.nda
     return padded_rest(order, offset, world)[rank::world]
 
 
-def blocks(order: np.ndarray, offset: int, rank: int, world: int, batch: int, drop_last: bool) -> list[np.ndarray]:
-    """Rank ``rank`` of ``world``'s batches of ``order[offset:]`` in the block layout (see the module docstring); the
-    short last one left out with ``drop_last``."""
-    padded = padded_rest(order, offset, world)
+def blocks(order: np.ndarray, offset: int, rank: int, world: int, batch: int, drop_last: bool,
+           total: int | None = None) -> list[np.ndarray]:
+    """Rank ``rank`` of ``world``'s batches of ``order[offset:]`` in the block layout (see the module docstring),
+    padded as ``padded_rest`` pads; the short last one left out with ``drop_last``."""
+    padded = padded_rest(order, offset, world, total)
     per_rank = len(padded) // world
     whole, tail = divmod(per_rank, batch)
     out = [padded[(b * world + rank) * batch:(b * world + rank + 1) * batch] for b in range(whole)]

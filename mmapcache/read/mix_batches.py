@@ -1,0 +1,187 @@
+"""Reading a mixture's batch: each source's samples gathered straight into the batch's arrays, one gather per source
+and field, and collated once.
+
+A batch is a set of flat ids (``read.mix_order``); it is read, and handed over, grouped by source (sources in their
+order, each source's samples in the order's), so that each source's part of every fixed field is one contiguous
+slice of the batch's array, filled by that cache's own gather (misses computed and stored as ``ds.loader``'s are),
+and each ragged field's parts are joined into one ``RaggedColumn``. Sources whose samples cannot be gathered that
+way (a ``transform``, a ``max_shapes`` field) or a ``collate_fn`` of the caller's are read as samples
+(``__getitems__``) and collated together. Which source each sample came from is the batch's ``sources``.
+
+The sources' layouts must agree (``merged_layout``): the same fields, kinds, dtypes and fixed shapes; a field one
+cache stores ragged and another at a fixed shape is read as ragged (the fixed values are one shape of it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from ..errors import LayoutError
+from ..format.layout import Layout
+from .collate import PadCollate
+from .gather import alloc_shared
+from .mix_order import source_of
+from .ragged import RaggedColumn
+
+__all__ = ["MixedReads", "merged_layout"]
+
+
+class _Source(Protocol):
+    """What a mixture reads of a source (``MmapCachedDataset`` provides it)."""
+
+    @property
+    def reads_batches(self) -> bool: ...
+
+    def gather_columns(self, idx: np.ndarray, epoch: int, alloc: Callable[..., np.ndarray] = np.empty) -> list[Any]:
+        ...
+
+    def collate_columns(self, columns: list[Any], pad: Any = None) -> Any: ...
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]: ...
+
+    def __len__(self) -> int: ...
+
+
+def merged_layout(names: Sequence[str], layouts: Sequence[Layout]) -> int:
+    """The source whose layout the mixture's batches take (one that stores ragged every field any source stores
+    ragged), after checking that the layouts agree (see the module docstring).
+
+    Raises:
+        LayoutError: naming the sources and the field that differ, and the fix.
+    """
+    first, name = layouts[0], names[0]
+    for other, other_name in zip(layouts[1:], names[1:]):
+        where = f"the mixture's sources {name!r} and {other_name!r}"
+        if other.structure != first.structure or [f.name for f in other.fields] != [f.name for f in first.fields]:
+            raise LayoutError(f"{where} hold samples of different structures (fields {[f.name for f in first.fields]}"
+                              f" and {[f.name for f in other.fields]}): a mixture's sources must return samples of "
+                              "one structure (the same container and field names)")
+        for a, b in zip(first.fields, other.fields):
+            if (a.kind, a.dtype, a.torch_dtype, a.tensor_class) != (b.kind, b.dtype, b.torch_dtype, b.tensor_class):
+                raise LayoutError(f"{where} differ in field {a.name!r}: {_describe(a)} and {_describe(b)}; a "
+                                  "mixture's sources must store each field as one type (cast it in one source)")
+            if len(a.shape) != len(b.shape) or ((a.variable or b.variable) and (a.variable, a.shape) != (
+                    b.variable, b.shape)):
+                raise LayoutError(f"{where} differ in field {a.name!r}'s shape: {a.shape} and {b.shape}")
+            fixed = [x == y or x < 0 or y < 0 for x, y in zip(a.shape, b.shape)]
+            if not all(fixed) or (not a.ragged and not b.ragged and a.shape != b.shape):
+                raise LayoutError(f"{where} store field {a.name!r} at different fixed shapes ({_shape(a)} and "
+                                  f"{_shape(b)}): a batch cannot stack them. Create the caches with "
+                                  f"ragged=[{a.name!r}] (values packed at their own size mix freely), or resize the "
+                                  "values in one source")
+    ragged = [any(layout.fields[k].ragged for layout in layouts) for k in range(len(first.fields))]
+    for s, layout in enumerate(layouts):
+        if all(f.ragged or not r for f, r in zip(layout.fields, ragged)):
+            return s
+    field = next(f.name for k, f in enumerate(first.fields) if ragged[k] and not all(
+        layout.fields[k].ragged for layout in layouts))
+    raise LayoutError(f"the mixture's sources store different fields ragged (field {field!r} among them), and none "
+                      f"stores ragged all that the others do: create them with the same ragged= list")
+
+
+def _describe(field: Any) -> str:
+    kind = f"{field.kind} of {field.torch_dtype or field.dtype}"
+    return kind if field.tensor_class is None else f"{kind} ({'.'.join(field.tensor_class)})"
+
+
+def _shape(field: Any) -> str:
+    return str(tuple("*" if d < 0 else d for d in field.shape))
+
+
+class MixedReads(Dataset):
+    """Maps ``(epoch, ids)`` to the batch of those flat ids (see the module docstring), with ``return_source`` as
+    ``(batch, sources)``. Sent to DataLoader workers: the sources pickle as their paths.
+
+    Args:
+        sources: the caches, in the mixture's order; ``starts``: each one's first flat id.
+        layouts: their layouts; ``main``: the source whose layout the batches take (``merged_layout``).
+        pad: a ``PadCollate`` fused into the gather, or None; ``collate``: a caller's ``collate_fn`` (read as
+            samples), or None.
+        return_source: yield ``(batch, sources)``, ``sources`` an int64 tensor of each sample's source.
+    """
+
+    def __init__(self, sources: Sequence[_Source], starts: np.ndarray, layouts: Sequence[Layout], main: int,
+                 pad: PadCollate | None, collate: Any, return_source: bool) -> None:
+        self.sources, self.starts, self.main = list(sources), starts, main
+        self.pad, self.collate, self.return_source = pad, collate, return_source
+        fields = [layout.fields for layout in layouts]
+        self.ragged = [f.ragged for f in fields[main]]
+        # Per source, per field: where its gather's fixed arrays go (the batch's slice, or a scratch array to be
+        # joined as one shape of a ragged field).
+        self.fixed_here = [[not f.ragged for f in source_fields] for source_fields in fields]
+        self.dtypes = [f.np_dtype for f in fields[main]]
+        self.shapes = [tuple(f.shape) for f in fields[main]]
+        self.batched = collate is None and all(s.reads_batches for s in self.sources)
+
+    def __getitem__(self, key: tuple[int, np.ndarray]) -> Any:
+        epoch, ids = key
+        sources = source_of(ids, self.starts)
+        order = np.argsort(sources, kind="stable")
+        ids, sources = ids[order], sources[order]
+        bounds = np.searchsorted(sources, np.arange(len(self.sources) + 1)).tolist()
+        parts = [(s, bounds[s], bounds[s + 1]) for s in range(len(self.sources)) if bounds[s + 1] > bounds[s]]
+        if self.batched:
+            batch = self._gathered(epoch, ids, parts)
+        else:
+            samples = [x for s, a, b in parts for x in self.sources[s].__getitems__(
+                (ids[a:b] - self.starts[s]).tolist())]
+            batch = (self.collate or self.pad or default_collate)(samples)
+        return (batch, torch.from_numpy(sources)) if self.return_source else batch
+
+    def _gathered(self, epoch: int, ids: np.ndarray, parts: list[tuple[int, int, int]]) -> Any:
+        """Every source's part gathered into the batch's arrays (fixed fields) or joined (ragged ones)."""
+        alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
+        n = len(ids)
+        out = [None if ragged else alloc((n, *shape), dtype)
+               for ragged, shape, dtype in zip(self.ragged, self.shapes, self.dtypes)]
+        pieces: list[list[RaggedColumn]] = [[] for _ in self.ragged]
+        for s, a, b in parts:
+            into = _slices(out, [k for k, here in enumerate(self.fixed_here[s]) if here], a, b)
+            columns = self.sources[s].gather_columns(ids[a:b] - self.starts[s], epoch, into)
+            for k, column in enumerate(columns):
+                if self.ragged[k]:
+                    pieces[k].append(column if isinstance(column, RaggedColumn) else _as_ragged(column))
+        merged = [out[k] if not self.ragged[k] else _joined(pieces[k]) for k in range(len(self.ragged))]
+        return self.sources[self.main].collate_columns(merged, self.pad)
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sources)
+
+
+def _slices(out: list[Any], fixed: list[int], a: int, b: int) -> Callable[..., np.ndarray]:
+    """A gather's ``alloc`` for one source's part (rows ``a`` to ``b``): its fixed fields, in field order (``fixed``:
+    their numbers), into the batch's arrays; a field the batch holds ragged into a scratch array."""
+    slots = iter(fixed)
+
+    def into(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        target = out[next(slots)]
+        return np.empty(shape, dtype) if target is None else target[a:b]
+    return into
+
+
+def _as_ragged(column: np.ndarray) -> RaggedColumn:
+    """A fixed field's gathered values as a ragged column (each one value of its shape)."""
+    shape = column.shape[1:]
+    count = len(column)
+    return RaggedColumn(np.ascontiguousarray(column).reshape(-1), np.full(count, math.prod(shape), np.int64),
+                        np.tile(np.array(shape, np.int64), (count, 1)).reshape(count, len(shape)),
+                        np.ones(count, bool))
+
+
+def _joined(columns: list[RaggedColumn]) -> RaggedColumn:
+    """Ragged columns of consecutive parts of a batch, as one."""
+    if len(columns) == 1:
+        return columns[0]
+    joined = RaggedColumn(np.concatenate([c.flat for c in columns]), np.concatenate([c.counts for c in columns]),
+                          np.concatenate([c.shapes for c in columns]), np.concatenate([c.valid for c in columns]))
+    at = 0
+    for column in columns:
+        joined.patches.update({at + k: value for k, value in column.patches.items()})
+        at += len(column.counts)
+    return joined

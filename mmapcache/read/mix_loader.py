@@ -1,0 +1,253 @@
+"""A mixture's ``loader()``: a DataLoader whose sampler (``MixtureOrder``) draws each epoch's order of the mixture
+(``read.mix_order``), cuts the rank's batches from it (``read.epoch_split.blocks``), and whose dataset gathers each
+batch from the sources (``read.mix_batches``); its state resumes exactly, on any number of ranks.
+
+A pass of an epoch is drawn at its first batch from ``(epoch, pass, counts)``: the counts of the mixture's setting
+then (weights changed between epochs apply from the next pass drawn). An epoch read again without ``set_epoch`` is
+a new pass (a new order), as ``ds.loader`` does. Every rank of a job draws the same order and reads its own blocks:
+over the job an epoch's order is read once (and ``DistributedSampler``'s padding), every rank the same number of
+batches.
+
+For sources that hold node shares, each node's ranks read a mixture of their node's shares (each source's count
+split across the nodes, within one sample), every rank of every node the job's number of batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ..store.share import Share, job_rank_and_size, local_rank_and_size
+from .epoch_split import blocks
+from .loader import _Pass
+from .mix_order import mix_order
+
+__all__ = ["MixPass", "MixtureLoader", "MixtureOrder", "node_counts"]
+
+
+class _Mixture(Protocol):
+    """What the order needs of the mixture (``mmapcache.Mixture`` provides it)."""
+
+    names: list[str]
+    paths: list[str]
+    lengths: list[int]
+    starts: np.ndarray
+    seed: int
+    per_batch: bool
+    shares: list[Share] | None
+    epoch: int
+    epoch_sets: int  # set_epoch calls
+    setting_sets: int  # set_weights calls
+    identities: list[dict[str, Any]]  # each source's name, length and fingerprint
+
+    def counts_now(self) -> tuple[int, ...]: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def restore_epoch(self, epoch: int) -> None: ...
+
+    def setting(self) -> dict[str, Any]: ...
+
+    def restore_setting(self, setting: Any) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class MixPass:
+    """What a pass's order is drawn from: the epoch, its pass (an epoch read again), and each source's count."""
+
+    epoch: int
+    repeat: int
+    counts: tuple[int, ...]
+
+
+def node_counts(counts: Sequence[int], nodes: int) -> np.ndarray:
+    """``(nodes, sources)`` counts: each source's count split across the nodes within one, the remainders handed
+    out in turn across sources, so that the nodes' totals differ by at most one."""
+    out = np.tile(np.asarray(counts, np.int64) // nodes, (nodes, 1))
+    turn = 0
+    for s, count in enumerate(counts):
+        for k in range(int(count) % nodes):
+            out[(turn + k) % nodes, s] += 1
+        turn = (turn + int(count) % nodes) % nodes
+    return out
+
+
+class MixtureOrder(DistributedSampler):
+    """The batches of a mixture's loader, one ``(epoch, flat ids)`` per batch (see the module docstring). A
+    ``DistributedSampler`` by class, so that trainers leave it in place and call its ``set_epoch``.
+
+    Args:
+        mixture: the mixture.
+        batch_size, drop_last: as ``DataLoader``'s.
+        rank, world_size: this process's place in the job (default: the job's; with node shares, the node's).
+    """
+
+    def __init__(self, mixture: _Mixture, *, batch_size: int, drop_last: bool, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        # DistributedSampler.__init__ is not called: the split is found per pass.
+        self.mixture = mixture
+        self.dataset = mixture  # type: ignore[assignment]
+        self.batch_size, self.drop_last = batch_size, drop_last
+        if (rank is None) != (world_size is None):
+            raise TypeError("loader() takes both rank= and world_size=, or neither (to find them in the job)")
+        if world_size is not None and not 0 <= rank < world_size:  # type: ignore[operator]
+            raise ValueError(f"rank {rank} of {world_size}: need 0 <= rank < world_size")
+        self._placement = None if rank is None else (int(rank), int(world_size))  # type: ignore[arg-type]
+        self.started: MixPass | None = None  # the pass in flight
+        self.base = 0  # where in its order the pass in flight started (a resumed one: read.epoch_split)
+        self.pass_batches = 0  # its batches from ``base`` on
+        # (pass, offset, ended): a loaded state's pass in flight, read from ``offset`` on (nothing if it had ended)
+        # by the next pass of its epoch (``read.mix_state``).
+        self.resume: tuple[MixPass, int, bool] | None = None
+        self.sets_seen, self.settings_seen = mixture.epoch_sets, mixture.setting_sets
+        self._passes: dict[tuple[int, int, int], tuple[int, int]] = {}  # (epoch, rank, size) -> (pass, sets then)
+        self._cached: tuple[Any, np.ndarray] = (None, np.empty(0, np.int64))
+
+    # --- the split ----------------------------------------------------------------------------------------------
+
+    def placement(self) -> tuple[int, int]:
+        """``(rank, ranks)`` of this process among those reading one order: the job's, or with node shares its
+        node's."""
+        if self._placement is not None:
+            return self._placement
+        if self.mixture.shares is not None:
+            # Found once: with only a process group to say it, finding it is a collective call.
+            self._placement = local_rank_and_size(self.mixture.paths[0])
+            return self._placement
+        return job_rank_and_size()
+
+    @property
+    def num_replicas(self) -> int:  # type: ignore[override]
+        return self.placement()[1]
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self.placement()[0]
+
+    @property
+    def epoch(self) -> int:
+        return self.mixture.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.mixture.set_epoch(value)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.mixture.set_epoch(epoch)
+
+    def _nodes(self) -> int:
+        shares = self.mixture.shares
+        return shares[0].nodes if shares is not None else 1
+
+    def per_rank(self, counts: Sequence[int], world: int | None = None) -> int:
+        """Positions each rank reads of an epoch of ``counts`` (``DistributedSampler``'s ``ceil(G / W)``, ``W`` the
+        job's ranks)."""
+        world = self.num_replicas if world is None else world
+        return math.ceil(sum(counts) / (world * self._nodes()))
+
+    def batches_for(self, counts: Sequence[int], world: int | None = None, batch_size: int | None = None) -> int:
+        per_rank, size = self.per_rank(counts, world), batch_size or self.batch_size
+        return per_rank // size if self.drop_last else math.ceil(per_rank / size)
+
+    def __len__(self) -> int:
+        """Batches per epoch of the mixture's setting, for this process."""
+        return self.batches_for(self.mixture.counts_now())
+
+    # --- one pass -------------------------------------------------------------------------------------------------
+
+    def next_pass(self) -> MixPass:
+        """The pass the next iteration draws (the mixture's epoch, and a new pass of it if it was read in this process
+        since ``set_epoch``), with the setting's counts."""
+        key = (self.mixture.epoch, *self.placement())
+        last = self._passes.get(key)
+        repeat = last[0] + 1 if last is not None and last[1] == self.mixture.epoch_sets else 0
+        return MixPass(self.mixture.epoch, repeat, self.mixture.counts_now())
+
+    def record(self, drawn: MixPass) -> None:
+        self._passes[(drawn.epoch, *self.placement())] = (drawn.repeat, self.mixture.epoch_sets)
+
+    def order(self, drawn: MixPass) -> np.ndarray:
+        """The pass's order of flat ids (this node's, with node shares)."""
+        if self._cached[0] == drawn:
+            return self._cached[1]
+        m = self.mixture
+        if m.shares is None:
+            order = mix_order(m.lengths, drawn.counts, m.seed, drawn.epoch, drawn.repeat, m.per_batch)
+        else:
+            share = m.shares[0]
+            pools = [s.indices(n, s.generation(drawn.epoch)) for s, n in zip(m.shares, m.lengths)]
+            counts = node_counts(drawn.counts, share.nodes)[share.node]
+            # Drawn from the node's shares: positions within them, then the indices those hold.
+            positions = mix_order([len(p) for p in pools], counts, m.seed, drawn.epoch, drawn.repeat, m.per_batch)
+            pool_starts = np.concatenate(([0], np.cumsum([len(p) for p in pools])[:-1]))
+            order = np.empty(len(positions), np.int64)
+            which = np.searchsorted(pool_starts, positions, side="right") - 1
+            for s, pool in enumerate(pools):
+                at = which == s
+                order[at] = m.starts[s] + pool[positions[at] - pool_starts[s]]
+        self._cached = (drawn, order)
+        return order
+
+    def batches(self, drawn: MixPass, base: int = 0) -> list[np.ndarray]:
+        """This rank's batches of the pass from position ``base`` of its order on."""
+        rank, world = self.placement()
+        total = None
+        if self.mixture.shares is not None:  # every rank of every node the job's number of steps
+            total = max(0, self.per_rank(drawn.counts) * world - base)
+        return blocks(self.order(drawn), base, rank, world, self.batch_size, self.drop_last, total)
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        resume, self.resume = self.resume, None
+        self.sets_seen = self.mixture.epoch_sets
+        if resume is not None and resume[0].epoch == self.mixture.epoch:
+            drawn, base, ended = resume
+        else:
+            drawn, base, ended = self.next_pass(), 0, False
+        self.record(drawn)
+        batches = [] if ended else self.batches(drawn, base)
+        self.started, self.base, self.pass_batches = drawn, base, len(batches)
+        for ids in batches:
+            yield drawn.epoch, ids
+
+
+class MixtureLoader(DataLoader):
+    """The DataLoader a mixture's ``loader()`` returns (see the module docstring). Without workers its batches are
+    read in this process with none of DataLoader's per-batch machinery, after the same random draw (the workers'
+    base seed, from torch's global generator). ``state_dict()``/``load_state_dict()`` follow torchdata's
+    ``StatefulDataLoader`` protocol (``read.mix_state``)."""
+
+    def __iter__(self) -> Any:
+        order: MixtureOrder = self.sampler  # type: ignore[assignment]
+        order.started = None
+        self._pass = _Pass(self._begin, len(self))
+        return self._pass
+
+    def _begin(self) -> Iterator[Any]:
+        if self.num_workers or self.pin_memory:
+            return super().__iter__()
+        torch.empty((), dtype=torch.int64).random_()  # the draw DataLoader's iterator makes for its workers' seed
+        return map(self.dataset.__getitem__, self.sampler)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is (``read.mix_state``): picklable; ``torch.save`` stores it."""
+        from .mix_state import save
+
+        return save(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes the next pass continue where the loader that saved ``state`` was: the rest of its pass, on this job's
+        ranks (another number of them too), if the next pass is of that epoch.
+
+        Raises:
+            ValueError: not a mixture loader's state, a state of another mixture (sources, their lengths or
+                fingerprints, seed, per-batch composition), or a value no loader saves.
+        """
+        from .mix_state import load
+
+        load(self, state)

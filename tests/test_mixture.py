@@ -1,0 +1,384 @@
+"""A mixture of caches: its epochs hold each source's count exactly (within rounding of its weight), drawn without
+replacement while the count allows; its loader serves every source's own values (hits, misses, ragged and fixed
+fields, transforms, workers), splits each epoch across ranks with no overlap, and resumes exactly from a state taken
+at any step, on the same ranks and on others, after a change of weights, in a new process; sources and states that
+cannot be mixed are refused, naming why. (Real torchrun and Lightning jobs: ``test_mixture_jobs.py``.)"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.mix_sources import STRIDE, Rows, Texts, ids_of, rows_intact
+from helpers.processes import another_process, collect, join_all, running
+from helpers.stream_sources import Fresh
+from mmapcache import LayoutError, Mixture, MmapCachedDataset, PadCollate, UsageError
+from mmapcache.read.mix_loader import MixPass
+
+SIZES = {"a": 60, "b": 25, "c": 7}
+TAGS = {"a": 1, "b": 2, "c": 3}
+
+
+@pytest.fixture(scope="module")
+def caches() -> Iterator[dict[str, str]]:
+    root = os.path.join("/dev/shm", f"mmapcache-test-mix-{os.getpid()}-{os.urandom(4).hex()}")
+    os.makedirs(root)
+    paths = {}
+    for name, n in SIZES.items():
+        paths[name] = os.path.join(root, name)
+        with MmapCachedDataset(paths[name], Rows(n, TAGS[name]), fingerprint=f"rows-{name}") as ds:
+            ds.fill()
+    yield paths
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _mix(paths: dict[str, str], **kwargs: Any) -> Mixture:
+    sources = {name: MmapCachedDataset(path, Rows(SIZES[name], TAGS[name]), fingerprint=f"rows-{name}")
+               for name, path in paths.items()}
+    return Mixture(sources, **kwargs)
+
+
+def _epoch(loader: Any) -> list[list[int]]:
+    out = []
+    for batch in loader:
+        assert rows_intact(batch)
+        out.append(ids_of(batch))
+    return out
+
+
+def _source_counts(ids: list[int]) -> dict[int, int]:
+    return dict(sorted(collections.Counter(i // STRIDE for i in ids).items()))
+
+
+# --- what an epoch holds ----------------------------------------------------------------------------------------------
+
+
+def test_counts_give_each_source_exactly_its_count_every_epoch(caches: dict[str, str]) -> None:
+    """A source over-weighted past its size (c: 7 samples, 20 a epoch) repeats whole before any sample repeats once
+    more; one under-weighted (a: 60, 30 an epoch) gives a subset without repeats, another each epoch."""
+    mix = _mix(caches, counts={"a": 30, "b": 25, "c": 20}, seed=4)
+    loader = mix.loader(batch_size=8)
+    subsets = []
+    for epoch in range(3):
+        mix.set_epoch(epoch)
+        ids = [i for b in _epoch(loader) for i in b]
+        assert _source_counts(ids) == {1: 30, 2: 25, 3: 20}
+        per = collections.Counter(ids)
+        assert max(per[i] for i in ids if i // STRIDE == 1) == 1  # without replacement
+        assert {per[i] for i in ids if i // STRIDE == 2} == {1}  # b: exactly its 25, once each
+        assert {per[3 * STRIDE + i] for i in range(7)} <= {2, 3} and sum(per[3 * STRIDE + i] for i in range(7)) == 20
+        subsets.append(frozenset(i for i in ids if i // STRIDE == 1))
+    assert len(set(subsets)) == 3  # a's subset differs from epoch to epoch
+
+
+@pytest.mark.parametrize(("weights", "size"), [({"a": 0.7, "b": 0.2, "c": 0.1}, 50), ([1, 1, 1], 10),
+                                               ([0.29, 0.71, 0.0], 100)])
+def test_weights_are_apportioned_within_one_and_sum_to_the_epoch_size(caches: dict[str, str], weights: Any,
+                                                                      size: int) -> None:
+    mix = _mix(caches, weights=weights, epoch_size=size, seed=1)
+    shares = list(weights.values()) if isinstance(weights, dict) else weights
+    counts = mix.counts()
+    assert sum(counts.values()) == size == len(mix)
+    for (name, count), w in zip(counts.items(), shares):
+        assert abs(count - size * w / sum(shares)) < 1, (name, count)
+    ids = [i for b in _epoch(mix.loader(batch_size=7)) for i in b]
+    assert _source_counts(ids) == {TAGS[n]: c for n, c in counts.items() if c}
+
+
+def test_default_weights_read_every_sample_once_per_epoch(caches: dict[str, str]) -> None:
+    mix = _mix(caches)
+    ids = [i for b in _epoch(mix.loader(batch_size=16)) for i in b]
+    assert sorted(ids) == sorted(TAGS[n] * STRIDE + i for n, k in SIZES.items() for i in range(k))
+
+
+def test_per_batch_composition_holds_every_batch_in_proportion(caches: dict[str, str]) -> None:
+    mix = _mix(caches, weights={"a": 0.5, "b": 0.3, "c": 0.2}, epoch_size=200, per_batch=True, seed=2)
+    for world in (1, 2):
+        for rank in range(world):
+            for batch in _epoch(mix.loader(batch_size=10, rank=rank, world_size=world)):
+                got = _source_counts(batch)
+                for tag, w in ((1, 0.5), (2, 0.3), (3, 0.2)):
+                    assert abs(got.get(tag, 0) - len(batch) * w) <= 1, got
+
+
+def test_orders_are_a_function_of_seed_and_epoch(caches: dict[str, str]) -> None:
+    one, two = _mix(caches, seed=5), _mix(caches, seed=5)
+    assert _epoch(one.loader(batch_size=9)) == _epoch(two.loader(batch_size=9))
+    two.set_epoch(1)
+    assert _epoch(one.loader(batch_size=9)) != _epoch(two.loader(batch_size=9))
+    assert _epoch(_mix(caches, seed=6).loader(batch_size=9)) != _epoch(two.loader(batch_size=9))
+
+
+# --- what a batch holds ----------------------------------------------------------------------------------------------
+
+
+def test_a_batch_is_grouped_by_source_and_says_which(caches: dict[str, str]) -> None:
+    mix = _mix(caches, seed=3)
+    for (_, labels), sources in mix.loader(batch_size=12, return_source=True):
+        assert torch.equal(sources, labels // STRIDE - 1)
+        assert sources.tolist() == sorted(sources.tolist())
+        assert mix.names == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("context", [None, "fork", "spawn"])
+def test_workers_read_what_one_process_reads(caches: dict[str, str], context: str | None) -> None:
+    mix = _mix(caches, seed=8)
+    alone = _epoch(mix.loader(batch_size=10))
+    workers = {"num_workers": 2, "multiprocessing_context": context} if context else {}
+    assert _epoch(mix.loader(batch_size=10, **workers)) == alone
+
+
+def test_cold_and_partial_caches_compute_store_and_serve_their_misses(shm_dir: str) -> None:
+    sources = {"a": MmapCachedDataset(os.path.join(shm_dir, "a"), Rows(40, 1)),
+               "b": MmapCachedDataset(os.path.join(shm_dir, "b"), Rows(30, 2), max_bytes=400)}  # holds ~12 of 30
+    mix = Mixture(sources, seed=1)
+    first = _epoch(mix.loader(batch_size=8, num_workers=2))
+    assert sorted(i for b in first for i in b) == sorted([1000 + i for i in range(40)] + [2000 + i for i in range(30)])
+    assert sources["a"].num_cached == 40 and 0 < sources["b"].num_cached < 30
+    assert _epoch(mix.loader(batch_size=8)) == first  # warm, and the partial cache's rest from its source
+
+
+def test_ragged_fields_mix_with_fixed_ones_and_pad_from_the_heaps(shm_dir: str) -> None:
+    """One source's input_ids vary in length (ragged), another's always have 4 (stored at a fixed shape): they mix,
+    and PadCollate pads the batch as it pads one cache's."""
+    ragged = MmapCachedDataset(os.path.join(shm_dir, "r"), Texts(30, 1))
+    fixed = MmapCachedDataset(os.path.join(shm_dir, "f"), Texts(20, 2, lengths=1), ragged=None)
+    assert not fixed._store.layout.fields[0].ragged and ragged._store.layout.fields[0].ragged
+    mix = Mixture({"r": ragged, "f": fixed}, seed=2)
+    pad = PadCollate(-1, mask=True)
+    seen = []
+    for batch, sources in mix.loader(batch_size=6, collate_fn=pad, return_source=True):
+        assert torch.equal(sources, batch["label"] // STRIDE - 1)
+        padded = batch["input_ids"]
+        for row, (label, length) in enumerate(zip(batch["label"].tolist(), padded.lengths.tolist())):
+            assert length == (1 + ((label % STRIDE) * 7) % (13 if label // STRIDE == 1 else 1))
+            assert (padded.data[row, :length] == label).all() and (padded.data[row, length:] == -1).all()
+            assert padded.mask[row].sum() == length
+        seen += batch["label"].tolist()
+    assert sorted(seen) == sorted([1000 + i for i in range(30)] + [2000 + i for i in range(20)])
+
+
+def test_sources_with_transforms_are_read_as_samples(caches: dict[str, str]) -> None:
+    def double(sample: Any) -> Any:
+        return sample[0] * 2, sample[1]
+
+    sources = {name: MmapCachedDataset(path, transform=double) for name, path in caches.items()}
+    mix = Mixture(sources, seed=1)
+    for x, labels in mix.loader(batch_size=8, num_workers=2):
+        assert torch.equal(x, 2 * labels[:, None].float().expand_as(x))
+
+
+# --- ranks ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ranks_split_an_epoch_with_no_overlap_and_the_same_number_of_batches(caches: dict[str, str],
+                                                                               world: int) -> None:
+    mix = _mix(caches, weights=[0.6, 0.3, 0.1], epoch_size=45, seed=9)
+    ranks = [_epoch(mix.loader(batch_size=4, rank=r, world_size=world)) for r in range(world)]
+    assert len({len(r) for r in ranks}) == 1 and len(ranks[0]) == math.ceil(math.ceil(45 / world) / 4)
+    order = mix.loader(batch_size=4).sampler.order(MixPass(0, 0, mix.counts_now()))
+    read = sorted(i for r in ranks for b in r for i in b)
+    padding = math.ceil(45 / world) * world - 45
+    assert read == sorted(_ids(mix, np.concatenate((order, order[:padding]))))
+
+
+def _ids(mix: Mixture, flat: np.ndarray) -> list[int]:
+    """The sample ids of flat ids (source s's index i is flat id starts[s] + i)."""
+    source = np.searchsorted(mix.starts, flat, side="right") - 1
+    return ((source + 1) * STRIDE + flat - mix.starts[source]).tolist()
+
+
+# --- resume ---------------------------------------------------------------------------------------------------------
+
+
+def _job(mix: Mixture, world: int, batch: int, **kwargs: Any) -> list[Any]:
+    return [mix.loader(batch_size=batch, rank=r, world_size=world, **kwargs) for r in range(world)]
+
+
+def _state_after(mix: Mixture, world: int, batch: int, k: int) -> tuple[dict[str, Any], list[list[list[int]]]]:
+    """Rank 0's state after every rank read ``k`` batches of the mixture's epoch, and what each went on to read."""
+    loaders = _job(mix, world, batch)
+    its = [iter(loader) for loader in loaders]
+    for it in its:
+        for _ in range(k):
+            next(it)
+    state = loaders[0].state_dict()
+    return state, [[ids_of(b) for b in it] for it in its]
+
+
+def _check_rest(mix: Mixture, resumed: list[list[list[int]]], drawn: MixPass, offset: int, world: int) -> None:
+    order = mix.loader(batch_size=1).sampler.order(drawn)
+    rest = _ids(mix, order[offset:])
+    read = [i for r in resumed for b in r for i in b]
+    padding = math.ceil(len(rest) / world) * world - len(rest)
+    assert len({len(r) for r in resumed}) == 1
+    assert len(read) == len(rest) + padding and not (collections.Counter(rest) - collections.Counter(read))
+
+
+@pytest.mark.parametrize(("world", "batch"), [(1, 4), (2, 3), (4, 2)])
+def test_a_state_taken_at_every_step_resumes_on_any_number_of_ranks(caches: dict[str, str], world: int,
+                                                                     batch: int) -> None:
+    setting = {"weights": [0.5, 0.3, 0.2], "epoch_size": 37, "seed": 11}
+    mix = _mix(caches, **setting)
+    mix.set_epoch(2)
+    per_epoch = len(mix.loader(batch_size=batch, rank=0, world_size=world))
+    for k in range(per_epoch + 1):
+        state, went_on = _state_after(mix, world, batch, k)
+        assert state["epoch"] == 2 and state["in_epoch"] == (k > 0)  # (after iter(), before a batch: nothing drawn)
+        for new_world, new_batch in [(world, batch), (1, 5), (2, 4), (3, 3), (4, 2)]:
+            resumed_mix = _mix(caches, **setting)  # a new job: a new mixture over the same caches
+            loaders = _job(resumed_mix, new_world, new_batch)
+            for loader in loaders:
+                loader.load_state_dict(state)
+            resumed = [[ids_of(b) for b in loader] for loader in loaders]
+            if (new_world, new_batch) == (world, batch):
+                assert resumed == went_on, f"{world}x{batch} after {k}: not the uninterrupted rest"
+            _check_rest(mix, resumed, MixPass(2, 0, tuple(state["counts"])), state["offset"], new_world)
+            resumed_mix.set_epoch(3)
+            mix3 = _mix(caches, **setting)
+            mix3.set_epoch(3)
+            assert [_epoch(loader) for loader in loaders] == [_epoch(loader) for loader in _job(mix3, new_world,
+                                                                                                  new_batch)]
+
+
+def test_a_state_records_the_weights_of_its_epoch_and_of_the_next(caches: dict[str, str]) -> None:
+    """A curriculum: weights changed before epoch 1; a state mid-epoch 1, loaded by a job that never set them, reads
+    the rest of epoch 1 as drawn, and epoch 2 with the state's weights."""
+    mix = _mix(caches, weights=[1, 1, 1], epoch_size=30, seed=2)
+    loader = mix.loader(batch_size=4)
+    _epoch(loader)
+    mix.set_epoch(1)
+    mix.set_weights([0.8, 0.1, 0.1])
+    it = iter(loader)
+    head = [ids_of(next(it)) for _ in range(3)]
+    state = loader.state_dict()
+    rest = [ids_of(b) for b in it]
+    mix.set_epoch(2)
+    after = _epoch(loader)
+    assert state["setting"] == {"weights": [0.8, 0.1, 0.1], "epoch_size": 30}
+    fresh = _mix(caches, weights=[1, 1, 1], epoch_size=30, seed=2)
+    again = fresh.loader(batch_size=4)
+    again.load_state_dict(state)
+    assert _epoch(again) == rest and fresh.counts() == {"a": 24, "b": 3, "c": 3}
+    fresh.set_epoch(2)
+    assert _epoch(again) == after
+    assert _source_counts([i for b in head + rest for i in b]) == {1: 24, 2: 3, 3: 3}
+
+
+def _resume_in(paths: dict[str, str], state: dict[str, Any], out: Any) -> None:
+    mix = _mix(paths, weights=[0.5, 0.3, 0.2], epoch_size=40, seed=6)
+    loaders = _job(mix, 2, 3, num_workers=2)
+    for loader in loaders:
+        loader.load_state_dict(state)
+    out.put([[ids_of(b) for b in loader] for loader in loaders])
+
+
+def test_a_state_resumes_in_a_new_process_with_workers(caches: dict[str, str]) -> None:
+    mix = _mix(caches, weights=[0.5, 0.3, 0.2], epoch_size=40, seed=6)
+    state, went_on = _state_after(mix, 2, 3, 2)
+    ctx = another_process()
+    out = ctx.Queue()
+    proc = ctx.Process(target=_resume_in, args=(caches, state, out))
+    with running([proc]):
+        (got,) = collect(out, 1, 300)
+        assert join_all([proc], 60) == [0]
+    assert got == went_on
+
+
+def test_a_state_of_another_mixture_or_loader_is_refused_naming_the_difference(caches: dict[str, str],
+                                                                               shm_dir: str) -> None:
+    mix = _mix(caches, seed=1)
+    loader = mix.loader(batch_size=4)
+    next(iter(loader))
+    state = loader.state_dict()
+    for other, match in [(_mix(caches, seed=2), r"seed 1 in the state, 2 here"),
+                         (_mix(caches, seed=1, per_batch=True), r"per_batch False in the state, True here"),
+                         (Mixture({"a": MmapCachedDataset(caches["a"]), "b": MmapCachedDataset(caches["b"])}, seed=1),
+                          r"another mixture: sources \['a', 'b', 'c'\] in the state, \['a', 'b'\] here")]:
+        with pytest.raises(ValueError, match=match):
+            other.loader(batch_size=4).load_state_dict(state)
+    refilled = MmapCachedDataset(os.path.join(shm_dir, "c"), Rows(7, 3), fingerprint="rows-c-v2")
+    swapped = Mixture({"a": MmapCachedDataset(caches["a"]), "b": MmapCachedDataset(caches["b"]), "c": refilled}, seed=1)
+    with pytest.raises(ValueError, match=r"source 'c''s fingerprint is 'rows-c' in the state, 'rows-c-v2' here"):
+        swapped.loader(batch_size=4).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"drop_last False in the state, True here"):
+        mix.loader(batch_size=4, drop_last=True).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"not a state of a mixture's loader"):
+        mix.loader(batch_size=4).load_state_dict(MmapCachedDataset(caches["a"]).loader(batch_size=4).state_dict())
+    with pytest.raises(ValueError, match=r"not a state of ds\.loader"):
+        MmapCachedDataset(caches["a"]).loader(batch_size=4).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"key 'offset': -3"):
+        mix.loader(batch_size=4).load_state_dict({**state, "offset": -3})
+
+
+# --- refused sources ------------------------------------------------------------------------------------------------
+
+
+def test_sources_that_cannot_be_mixed_are_refused_naming_the_difference(shm_dir: str) -> None:
+    def cache(name: str, source: Any, **kwargs: Any) -> MmapCachedDataset:
+        return MmapCachedDataset(os.path.join(shm_dir, name), source, **kwargs)
+
+    rows = cache("rows", Rows(10, 1))
+    with pytest.raises(LayoutError, match=r"sources 'rows' and 'texts' hold samples of different structures"):
+        Mixture({"rows": rows, "texts": cache("texts", Texts(10, 2))})
+    with pytest.raises(LayoutError, match=r"store field '0' at different fixed shapes \(\(4,\) and \(6,\)\).*"
+                                          r"ragged=\['0'\]"):
+        Mixture([rows, cache("wide", Rows(10, 2, width=6))])
+
+    class Halves(Rows):
+        def __getitem__(self, i: int) -> Any:
+            x, y = super().__getitem__(i)
+            return x.half(), y
+
+    with pytest.raises(LayoutError, match=r"differ in field '0': tensor of float32 and tensor of float16"):
+        Mixture([rows, cache("half", Halves(10, 2))])
+    stream = cache("stream", Fresh(20), stream=True)
+    with pytest.raises(UsageError, match=r"source 's' \(the stream at .*\) is a stream"):
+        Mixture({"r": rows, "s": stream})
+    share = cache("share", Rows(10, 2), node_share=(0, 2))
+    with pytest.raises(UsageError, match=r"must all be full \(or partial\) caches, or all node shares"):
+        Mixture([rows, share])
+    with pytest.raises(TypeError, match=r"source '0' is a Rows, not an MmapCachedDataset"):
+        Mixture([Rows(10, 1)])
+    for bad, match in [({"weights": [1, -1]}, "weights must be finite numbers >= 0"),
+                       ({"weights": {"0": 1}}, r"weights name \['1'\] missing"),
+                       ({"counts": [1, 2.5]}, "counts must be ints >= 0"),
+                       ({"weights": [1, 1], "counts": [1, 1]}, "not both"),
+                       ({"weights": [1, 1], "epoch_size": 0}, "epoch_size must be an int >= 1")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            Mixture([rows, cache("rows2", Rows(10, 2))], **bad)
+    with pytest.raises(ValueError, match=r"shuffle= chooses an order"):
+        Mixture([rows]).loader(batch_size=2, shuffle=False, sampler=[0])
+    with pytest.raises(ValueError, match=r"sampler= chooses an order"):
+        Mixture([rows]).loader(batch_size=2, sampler=[0])
+
+
+# --- node shares -----------------------------------------------------------------------------------------------------
+
+
+def test_a_mixture_of_node_shares_reads_each_nodes_shares_and_the_jobs_number_of_steps(shm_dir: str) -> None:
+    """Two "nodes" (caches made with node_share=(node, 2)), two ranks each: each node's ranks read only their node's
+    shares, every rank of every node the same number of batches, and the job reads each source's count."""
+    per_node = []
+    for node in (0, 1):
+        sources = {name: MmapCachedDataset(os.path.join(shm_dir, f"{name}{node}"), Rows(SIZES[name], TAGS[name]),
+                                           node_share=(node, 2)) for name in ("a", "b", "c")}
+        mix = Mixture(sources, counts={"a": 40, "b": 25, "c": 9}, seed=3)
+        ranks = [_epoch(loader) for loader in _job(mix, 2, 4)]
+        held = {TAGS[name] * STRIDE + int(i) for name, ds in sources.items() for i in ds.cacheable_indices()}
+        assert all(i in held for r in ranks for b in r for i in b), "a rank read outside its node's shares"
+        per_node.append(ranks)
+    assert len({len(r) for ranks in per_node for r in ranks}) == 1  # the job's number of steps, everywhere
+    read = [i for ranks in per_node for r in ranks for b in r for i in b]
+    padding = len(read) - 74
+    assert 0 <= padding < 4 and all(_source_counts(read)[t] >= c for t, c in ((1, 40), (2, 25), (3, 9)))
