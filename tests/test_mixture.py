@@ -186,7 +186,7 @@ def test_ranks_split_an_epoch_with_no_overlap_and_the_same_number_of_batches(cac
     mix = _mix(caches, weights=[0.6, 0.3, 0.1], epoch_size=45, seed=9)
     ranks = [_epoch(mix.loader(batch_size=4, rank=r, world_size=world)) for r in range(world)]
     assert len({len(r) for r in ranks}) == 1 and len(ranks[0]) == math.ceil(math.ceil(45 / world) / 4)
-    order = mix.loader(batch_size=4).sampler.order(MixPass(0, 0, mix.counts_now()))
+    order = mix.loader(batch_size=4).sampler.order(MixPass(0, 0, mix.counts_now(), 4))
     read = sorted(i for r in ranks for b in r for i in b)
     padding = math.ceil(45 / world) * world - 45
     assert read == sorted(_ids(mix, np.concatenate((order, order[:padding]))))
@@ -243,7 +243,8 @@ def test_a_state_taken_at_every_step_resumes_on_any_number_of_ranks(caches: dict
             resumed = [[ids_of(b) for b in loader] for loader in loaders]
             if (new_world, new_batch) == (world, batch):
                 assert resumed == went_on, f"{world}x{batch} after {k}: not the uninterrupted rest"
-            _check_rest(mix, resumed, MixPass(2, 0, tuple(state["counts"])), state["offset"], new_world)
+            _check_rest(mix, resumed, MixPass(2, 0, tuple(state["counts"]), state["unit"]), state["offset"],
+                        new_world)
             resumed_mix.set_epoch(3)
             mix3 = _mix(caches, **setting)
             mix3.set_epoch(3)

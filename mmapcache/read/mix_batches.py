@@ -15,6 +15,7 @@ cache stores ragged and another at a fixed shape is read as ragged (the fixed va
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -25,8 +26,7 @@ from torch.utils.data import Dataset, default_collate
 from ..errors import LayoutError
 from ..format.layout import Layout
 from .collate import PadCollate
-from .gather import alloc_shared
-from .mix_order import source_of
+from .gather import alloc_shared, buffers
 from .ragged import RaggedColumn
 
 __all__ = ["MixedReads", "merged_layout"]
@@ -46,6 +46,11 @@ class _Source(Protocol):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]: ...
 
     def __len__(self) -> int: ...
+
+    # The warm path reads a source's maps itself where it may (``MixedReads._take``): its reader and row map.
+    def _ensure_open(self) -> Any: ...
+
+    _rows: Any
 
 
 def merged_layout(names: Sequence[str], layouts: Sequence[Layout]) -> int:
@@ -95,8 +100,9 @@ def _shape(field: Any) -> str:
 
 
 class MixedReads(Dataset):
-    """Maps ``(epoch, ids)`` to the batch of those flat ids (see the module docstring), with ``return_source`` as
-    ``(batch, sources)``. Sent to DataLoader workers: the sources pickle as their paths.
+    """Maps ``(epoch, indices, bounds)`` to a batch (see the module docstring): source ``s``'s indices are
+    ``indices[bounds[s]:bounds[s + 1]]`` (``grouped``); with ``return_source`` the batch is ``(batch, sources)``.
+    Sent to DataLoader workers: the sources pickle as their paths.
 
     Args:
         sources: the caches, in the mixture's order; ``starts``: each one's first flat id.
@@ -118,37 +124,72 @@ class MixedReads(Dataset):
         self.dtypes = [f.np_dtype for f in fields[main]]
         self.shapes = [tuple(f.shape) for f in fields[main]]
         self.batched = collate is None and all(s.reads_batches for s in self.sources)
+        self._pid = -1  # the process _prepare ran in
 
-    def __getitem__(self, key: tuple[int, np.ndarray]) -> Any:
-        epoch, ids = key
-        sources = source_of(ids, self.starts)
-        order = np.argsort(sources, kind="stable")
-        ids, sources = ids[order], sources[order]
-        bounds = np.searchsorted(sources, np.arange(len(self.sources) + 1)).tolist()
+    def __getitem__(self, key: tuple[int, np.ndarray, tuple[int, ...]]) -> Any:
+        epoch, indices, bounds = key
         parts = [(s, bounds[s], bounds[s + 1]) for s in range(len(self.sources)) if bounds[s + 1] > bounds[s]]
         if self.batched:
-            batch = self._gathered(epoch, ids, parts)
+            batch = self._gathered(epoch, indices, parts)
         else:
-            samples = [x for s, a, b in parts for x in self.sources[s].__getitems__(
-                (ids[a:b] - self.starts[s]).tolist())]
+            samples = [x for s, a, b in parts for x in self.sources[s].__getitems__(indices[a:b].tolist())]
             batch = (self.collate or self.pad or default_collate)(samples)
-        return (batch, torch.from_numpy(sources)) if self.return_source else batch
+        if not self.return_source:
+            return batch
+        return batch, torch.from_numpy(np.repeat(np.arange(len(self.sources)), np.diff(bounds)))
 
-    def _gathered(self, epoch: int, ids: np.ndarray, parts: list[tuple[int, int, int]]) -> Any:
-        """Every source's part gathered into the batch's arrays (fixed fields) or joined (ragged ones)."""
-        alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
-        n = len(ids)
+    def _gathered(self, epoch: int, indices: np.ndarray, parts: list[tuple[int, int, int]]) -> Any:
+        """Every source's part gathered into the batch's arrays (fixed fields) or joined (ragged ones). A source
+        whose maps this process may read as they are (``_prepare``) is copied straight into them, if every row the
+        part asks for is complete and no writer changed the cache meanwhile (its cache-wide counter, as
+        ``RowReader.gather``'s warm path checks); any other part (a miss, a partial cache's uncached index, a
+        ragged field) through the source's checked gather."""
+        if self._pid != os.getpid():
+            self._prepare()
+        n = len(indices)
+        alloc = self._alloc
         out = [None if ragged else alloc((n, *shape), dtype)
                for ragged, shape, dtype in zip(self.ragged, self.shapes, self.dtypes)]
         pieces: list[list[RaggedColumn]] = [[] for _ in self.ragged]
         for s, a, b in parts:
+            idx = indices[a:b]
+            warm = self._warm[s]
+            if warm is not None:
+                state, rowmap, data = warm
+                rows = idx if rowmap is None else rowmap.rows_of(idx, epoch)
+                counter = state.all_complete()
+                if counter >= 0 and (rowmap is None or rowmap.total or int(rows.min()) >= 0):
+                    for k, field in enumerate(data):
+                        field.take(rows, 0, out[k][a:b], "clip")  # type: ignore[index]
+                    if state.changes[0] == counter:
+                        continue
             into = _slices(out, [k for k, here in enumerate(self.fixed_here[s]) if here], a, b)
-            columns = self.sources[s].gather_columns(ids[a:b] - self.starts[s], epoch, into)
+            columns = self.sources[s].gather_columns(idx, epoch, into)
             for k, column in enumerate(columns):
                 if self.ragged[k]:
                     pieces[k].append(column if isinstance(column, RaggedColumn) else _as_ragged(column))
         merged = [out[k] if not self.ragged[k] else _joined(pieces[k]) for k in range(len(self.ragged))]
-        return self.sources[self.main].collate_columns(merged, self.pad)
+        return self._collate(merged, self.pad)
+
+    def _prepare(self) -> None:
+        """This process's view of the sources (after a fork or unpickling in a worker): the maps of each source with
+        fixed fields only (``(state, row map or None where rows are indices, data)``), the collation of the batches'
+        layout, and where batches are made (shared memory in a DataLoader worker; recycled buffers here)."""
+        self._warm: list[tuple[Any, Any, list[np.ndarray]] | None] = []
+        for source, fixed in zip(self.sources, self.fixed_here):
+            reader, rows = source._ensure_open(), source._rows
+            if reader.ragged or reader.variable or rows.keyed or not all(fixed):
+                self._warm.append(None)
+                continue
+            identity = rows.total and rows.variants == 1 and rows.slot_index is None
+            self._warm.append((reader.state, None if identity else rows, list(reader.data)))
+        self._collate = self.sources[self.main]._ensure_open().collate
+        self._alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else buffers.empty
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The sources pickle as their paths; this process's maps stay here (a worker prepares its own).
+        return {k: v for k, v in self.__dict__.items() if k not in ("_warm", "_collate", "_alloc")} | {"_pid": -1}
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.sources)

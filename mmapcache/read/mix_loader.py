@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ..store.share import Share, job_rank_and_size, local_rank_and_size
 from .epoch_split import blocks
 from .loader import _Pass
-from .mix_order import mix_order
+from .mix_order import EpochPlan, grouped, plan
 
 __all__ = ["MixPass", "MixtureLoader", "MixtureOrder", "node_counts"]
 
@@ -59,11 +59,13 @@ class _Mixture(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class MixPass:
-    """What a pass's order is drawn from: the epoch, its pass (an epoch read again), and each source's count."""
+    """What a pass's order is drawn from: the epoch, its pass (an epoch read again), each source's count, and the
+    units it is composed in (the batch size it was drawn for: ``read.mix_order``)."""
 
     epoch: int
     repeat: int
     counts: tuple[int, ...]
+    unit: int
 
 
 def node_counts(counts: Sequence[int], nodes: int) -> np.ndarray:
@@ -107,7 +109,7 @@ class MixtureOrder(DistributedSampler):
         self.resume: tuple[MixPass, int, bool] | None = None
         self.sets_seen, self.settings_seen = mixture.epoch_sets, mixture.setting_sets
         self._passes: dict[tuple[int, int, int], tuple[int, int]] = {}  # (epoch, rank, size) -> (pass, sets then)
-        self._cached: tuple[Any, np.ndarray] = (None, np.empty(0, np.int64))
+        self._cached: tuple[Any, Any] = (None, None)
 
     # --- the split ----------------------------------------------------------------------------------------------
 
@@ -167,42 +169,57 @@ class MixtureOrder(DistributedSampler):
         key = (self.mixture.epoch, *self.placement())
         last = self._passes.get(key)
         repeat = last[0] + 1 if last is not None and last[1] == self.mixture.epoch_sets else 0
-        return MixPass(self.mixture.epoch, repeat, self.mixture.counts_now())
+        return MixPass(self.mixture.epoch, repeat, self.mixture.counts_now(), self.batch_size)
 
     def record(self, drawn: MixPass) -> None:
         self._passes[(drawn.epoch, *self.placement())] = (drawn.repeat, self.mixture.epoch_sets)
 
-    def order(self, drawn: MixPass) -> np.ndarray:
-        """The pass's order of flat ids (this node's, with node shares)."""
+    def plan(self, drawn: MixPass) -> EpochPlan:
+        """The pass's plan (this node's, with node shares): kept while the pass is read."""
         if self._cached[0] == drawn:
             return self._cached[1]
         m = self.mixture
         if m.shares is None:
-            order = mix_order(m.lengths, drawn.counts, m.seed, drawn.epoch, drawn.repeat, m.per_batch)
+            made = plan(m.lengths, drawn.counts, m.seed, drawn.epoch, drawn.repeat, drawn.unit, m.per_batch)
         else:
             share = m.shares[0]
             pools = [s.indices(n, s.generation(drawn.epoch)) for s, n in zip(m.shares, m.lengths)]
-            counts = node_counts(drawn.counts, share.nodes)[share.node]
-            # Drawn from the node's shares: positions within them, then the indices those hold.
-            positions = mix_order([len(p) for p in pools], counts, m.seed, drawn.epoch, drawn.repeat, m.per_batch)
-            pool_starts = np.concatenate(([0], np.cumsum([len(p) for p in pools])[:-1]))
-            order = np.empty(len(positions), np.int64)
-            which = np.searchsorted(pool_starts, positions, side="right") - 1
-            for s, pool in enumerate(pools):
-                at = which == s
-                order[at] = m.starts[s] + pool[positions[at] - pool_starts[s]]
-        self._cached = (drawn, order)
-        return order
+            made = plan(m.lengths, node_counts(drawn.counts, share.nodes)[share.node], m.seed, drawn.epoch,
+                        drawn.repeat, drawn.unit, m.per_batch, pools)
+        self._cached = (drawn, made)
+        return made
+
+    def order(self, drawn: MixPass) -> np.ndarray:
+        """The pass's order of flat ids (this node's, with node shares)."""
+        return self.plan(drawn).order()
+
+    def positions(self, drawn: MixPass, base: int = 0) -> list[np.ndarray]:
+        """This rank's batches of the pass from position ``base`` of its order on, as positions of the order (those
+        past its end: the padding, from its start)."""
+        rank, world = self.placement()
+        total = self.plan(drawn).total
+        padded = None
+        if self.mixture.shares is not None:  # every rank of every node the job's number of steps
+            padded = max(0, self.per_rank(drawn.counts) * world - base)
+        return blocks(np.arange(total, dtype=np.int64), base, rank, world, self.batch_size, self.drop_last, padded)
 
     def batches(self, drawn: MixPass, base: int = 0) -> list[np.ndarray]:
-        """This rank's batches of the pass from position ``base`` of its order on."""
-        rank, world = self.placement()
-        total = None
-        if self.mixture.shares is not None:  # every rank of every node the job's number of steps
-            total = max(0, self.per_rank(drawn.counts) * world - base)
-        return blocks(self.order(drawn), base, rank, world, self.batch_size, self.drop_last, total)
+        """This rank's batches of the pass from position ``base`` on, as flat ids."""
+        made = self.plan(drawn)
+        return [made.at(p) for p in self.positions(drawn, base)]
 
-    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+    def keys(self, drawn: MixPass, positions: list[np.ndarray]) -> Iterator[tuple[np.ndarray, tuple[int, ...]]]:
+        """Each batch as it is read (``(indices, bounds)``, grouped by source): a whole unit of the plan as it
+        holds it; any other (the padded tail, a resume on other ranks or batch sizes) grouped from its flat ids."""
+        made, starts, unit = self.plan(drawn), self.mixture.starts, drawn.unit
+        for p in positions:
+            first = int(p[0]) if len(p) else 0
+            if len(p) == unit and first % unit == 0 and int(p[-1]) == first + unit - 1 < made.total:
+                yield made.unit_batch(first // unit)
+            else:
+                yield grouped([made.at(p)], starts)[0]
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray, tuple[int, ...]]]:
         resume, self.resume = self.resume, None
         self.sets_seen = self.mixture.epoch_sets
         if resume is not None and resume[0].epoch == self.mixture.epoch:
@@ -210,10 +227,10 @@ class MixtureOrder(DistributedSampler):
         else:
             drawn, base, ended = self.next_pass(), 0, False
         self.record(drawn)
-        batches = [] if ended else self.batches(drawn, base)
-        self.started, self.base, self.pass_batches = drawn, base, len(batches)
-        for ids in batches:
-            yield drawn.epoch, ids
+        positions = [] if ended else self.positions(drawn, base)
+        self.started, self.base, self.pass_batches = drawn, base, len(positions)
+        for indices, bounds in self.keys(drawn, positions):
+            yield drawn.epoch, indices, bounds
 
 
 class MixtureLoader(DataLoader):

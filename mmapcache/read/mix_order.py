@@ -1,20 +1,24 @@
-"""A mixture's epoch order: how many samples each source gives (``apportion``), which ones (``draw``), and in what
-order (``mix_order``), as a function of ``(seed, epoch, pass, the counts, the sources' lengths)`` alone (and, with
-per-batch composition, the batch size): the same in every process, on every rank, in every run.
+"""A mixture's epoch order: how many samples each source gives (``apportion``), which ones (``draw``), and where they
+go (``EpochPlan``), as a function of ``(seed, epoch, pass, the counts, the sources' lengths, the batch size)`` alone:
+the same in every process, on every rank, in every run.
 
 Samples are *flat ids*: source ``s``'s index ``i`` is ``starts[s] + i``, ``starts`` the sources' lengths summed
 before it, so one int64 array is the epoch's order, which ``read.epoch_split`` cuts into the ranks' batches.
 
 - **Counts.** ``weights`` become counts of an ``epoch_size`` by largest remainders (each within 1 of its share,
   summing exactly; ties go to the earlier source), or are given as counts.
-- **Draws.** Source ``s`` gives ``c`` samples of its ``n``: ``c // n`` whole permutations of it, then ``c % n``
-  drawn without replacement from another, each seeded by ``(seed, epoch, pass, s)``: within an epoch a sample
-  repeats only once every sample of its source has been drawn as often (a source over-weighted past its size is
-  repeated whole first), and a source under-weighted gives a random subset, another each epoch.
-- **Interleaving.** The sources' positions in the epoch are a seeded shuffle of their counts; with ``per_batch``
-  each source's positions are spread evenly over the epoch instead, so that every block of consecutive positions
-  (a rank's batch: ``read.epoch_split.blocks``) holds each source within one sample of its share, and the epoch's
-  counts are exact.
+- **Draws.** Source ``s`` gives its ``c`` samples of ``n`` as a random sequence: ``c // n`` whole passes over it,
+  then ``c % n`` samples drawn without replacement, in a random order, each seeded by ``(seed, epoch, pass, s)``:
+  within an epoch a sample repeats only once every sample of its source has been drawn as often (a source
+  over-weighted past its size is repeated whole first), and a source under-weighted gives a random subset, another
+  each epoch.
+- **Units.** The order is cut into units of ``B`` positions (the batch size; the last one shorter), and each unit
+  holds ``composition[j, s]`` samples of source ``s``, grouped by source: the next ones of that source's sequence.
+  With a random mix the compositions are those of a uniformly random interleaving of the sources' samples (the
+  counts split between halves of the epoch by hypergeometric draws, halves again, down to units), so the order is
+  distributed as a shuffle of every sample drawn, grouped by source within each batch; with ``per_batch`` each
+  source's samples are spread evenly over the epoch, so every unit holds each source within one of its share. A
+  rank's batch is a unit (``read.epoch_split.blocks``), read one gather per source (``read.mix_batches``).
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
-__all__ = ["apportion", "draw", "mix_order", "source_of"]
+__all__ = ["EpochPlan", "apportion", "draw", "grouped", "plan", "source_of"]
 
-# Streams of numpy's seed sequence, one per use (a draw of source s, the interleaving).
+# Streams of the seed sequence, one per use (a draw of source s, the compositions).
 _DRAW, _MIX = 1, 2
 
 
@@ -42,45 +47,156 @@ def apportion(weights: Sequence[float], total: int) -> np.ndarray:
 
 
 def draw(length: int, count: int, seed: int, epoch: int, repeat: int, source: int) -> np.ndarray:
-    """``count`` indices of a source of ``length`` samples (see the module docstring), int64."""
+    """``count`` indices of a source of ``length`` samples in a random sequence (see the module docstring), int64."""
     if not count:
         return np.empty(0, np.int64)
-    rng = np.random.default_rng([seed % 2**64, epoch % 2**64, repeat, source, _DRAW])
+    generator = _generator(seed, epoch, repeat, source, _DRAW)
     whole, rest = divmod(count, length)
-    parts = [rng.permutation(length) for _ in range(whole)]
-    if rest:
+    parts = [torch.randperm(length, generator=generator).numpy() for _ in range(whole)]
+    if rest * 8 < length:  # a small subset: drawn in its own size, not a permutation of the whole source
+        rng = np.random.default_rng(int(torch.randint(0, 2**62, (), generator=generator)))
         parts.append(rng.choice(length, size=rest, replace=False))
+    elif rest:
+        parts.append(torch.randperm(length, generator=generator).numpy()[:rest])
     return np.concatenate(parts).astype(np.int64, copy=False)
 
 
-def mix_order(lengths: Sequence[int], given: Sequence[int], seed: int, epoch: int, repeat: int,
-              per_batch: bool = False) -> np.ndarray:
-    """The epoch's order of flat ids, ``given[s]`` samples of each source (see the module docstring)."""
+def _generator(*words: int) -> torch.Generator:
+    """A torch generator seeded by numpy's seed sequence of ``words`` (torch's ``randperm`` draws a permutation in
+    half the time numpy's takes)."""
+    state = np.random.SeedSequence([w % 2**64 for w in words]).generate_state(1, np.uint64)[0]
+    generator = torch.Generator()
+    generator.manual_seed(int(state) & ((1 << 63) - 1))
+    return generator
+
+
+class EpochPlan:
+    """One pass's order of a mixture: each source's sequence of flat ids (``drawn[s]``, in the order it is used) and
+    each unit's composition (see the module docstring). A unit is read without building the order."""
+
+    def __init__(self, drawn: list[np.ndarray], composition: np.ndarray, unit: int, starts: np.ndarray) -> None:
+        self.drawn, self.composition, self.unit = drawn, composition, unit
+        self.total = int(composition.sum())
+        # Where each unit's samples of each source start in that source's sequence.
+        self.used = np.cumsum(composition, axis=0) - composition
+        self.bounds = np.zeros((len(composition), composition.shape[1] + 1), np.int64)
+        np.cumsum(composition, axis=1, out=self.bounds[:, 1:])
+        # For unit_batch, once: each source's sequence as indices in the source, and each unit's slices of them.
+        self._local = [d - start for d, start in zip(drawn, starts.tolist())]
+        self._slices = [[(u, u + c) for u, c in zip(used, counts) if c] for used, counts in zip(
+            self.used.tolist(), composition.tolist())]
+        self._sources = [[s for s, c in enumerate(counts) if c] for counts in composition.tolist()]
+        self._bounds = [tuple(b) for b in self.bounds.tolist()]
+
+    def unit_batch(self, j: int) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Unit ``j`` as a batch is read (``grouped``'s form): its indices in their sources, grouped by source, and
+        the bounds of each source's."""
+        local = self._local
+        parts = [local[s][a:b] for s, (a, b) in zip(self._sources[j], self._slices[j])]
+        return (np.concatenate(parts) if len(parts) != 1 else parts[0]), self._bounds[j]
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """The flat ids at ``positions`` (int64, in ``[0, total)``) of the order."""
+        j, offset = np.divmod(positions, self.unit)
+        bounds = self.bounds[j]
+        source = (offset[:, None] >= bounds[:, 1:-1]).sum(axis=1)
+        k = self.used[j, source] + offset - bounds[np.arange(len(j)), source]
+        flat = np.concatenate(self.drawn)
+        firsts = np.cumsum([0] + [len(d) for d in self.drawn[:-1]])
+        return flat[firsts[source] + k]
+
+    def order(self) -> np.ndarray:
+        """The whole order of flat ids (each unit's, in turn)."""
+        return self.at(np.arange(self.total, dtype=np.int64))
+
+
+def plan(lengths: Sequence[int], given: Sequence[int], seed: int, epoch: int, repeat: int, unit: int,
+         per_batch: bool = False, pools: Sequence[np.ndarray] | None = None) -> EpochPlan:
+    """The epoch's plan, ``given[s]`` samples of each source in units of ``unit`` positions (see the module
+    docstring). With ``pools`` (a node's shares), source ``s``'s samples are drawn from ``pools[s]``, the indices it
+    holds, and ``lengths`` are still the sources' (for the flat ids)."""
     counts = np.asarray(given, np.int64)
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    drawn = []
+    for s, count in enumerate(counts.tolist()):
+        pool = None if pools is None else pools[s]
+        picked = draw(len(pool) if pool is not None else int(lengths[s]), count, seed, epoch, repeat, s)
+        drawn.append(starts[s] + (picked if pool is None else pool[picked]))
     total = int(counts.sum())
-    if not per_batch:
-        sources = np.repeat(np.arange(len(counts)), counts)
-        np.random.default_rng([seed % 2**64, epoch % 2**64, repeat, _MIX]).shuffle(sources)
+    sizes = np.full(-(-total // unit), unit, np.int64)
+    if len(sizes):
+        sizes[-1] = total - unit * (len(sizes) - 1)
+    if per_batch:
+        composition = _spread(counts, sizes)
     else:
-        sources = _stratified(counts, total)
-    order = np.empty(total, np.int64)
-    for s, (length, count) in enumerate(zip(lengths, counts.tolist())):
-        if count:
-            order[sources == s] = starts[s] + draw(int(length), count, seed, epoch, repeat, s)
-    return order
+        rng = np.random.default_rng([seed % 2**64, epoch % 2**64, repeat, _MIX])
+        composition = _random_split(counts, sizes, rng)
+    return EpochPlan(drawn, composition, unit, starts)
 
 
-def _stratified(counts: np.ndarray, total: int) -> np.ndarray:
-    """The source of each position, each source's ``c`` positions spread evenly over the ``total`` (its ``k``-th at
-    ``(k + 1/2) * total / c``, ties to the earlier source): any ``B`` consecutive positions hold within one sample of
-    each source's share of ``B``, so every block of a rank's batch does, and the epoch holds the counts exactly."""
+def _random_split(counts: np.ndarray, sizes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``(units, sources)``: how many samples of each source each unit of ``sizes`` holds in a uniformly random
+    interleaving of ``counts`` samples: each span of units split in two halves, a source at a time by
+    hypergeometric draws (multivariate hypergeometric, as a shuffle splits them), down to single units. A few numpy
+    calls per halving, for all spans at once."""
+    units, sources = len(sizes), len(counts)
+    out = np.zeros((units, sources), np.int64)
+    ends = np.cumsum(sizes)
+    lo, hi, held = np.array([0]), np.array([units]), counts[None, :].copy()
+    while len(lo):
+        single = hi - lo == 1
+        out[lo[single]] = held[single]
+        lo, hi, held = lo[~single], hi[~single], held[~single]
+        if not len(lo):
+            break
+        mid = (lo + hi) // 2
+        need = ends[mid - 1] - np.where(lo > 0, ends[lo - 1], 0)  # positions in the left half
+        left = np.empty_like(held)
+        others = held.sum(axis=1)
+        for s in range(sources):
+            others = others - held[:, s]
+            left[:, s] = rng.hypergeometric(held[:, s], others, need) if s < sources - 1 else need
+            need = need - left[:, s]
+        lo, hi, held = np.concatenate((lo, mid)), np.concatenate((mid, hi)), np.concatenate((left, held - left))
+    return out
+
+
+def _spread(counts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``(units, sources)``: each source's ``c`` samples spread evenly over the epoch (its ``k``-th at ``(k + 1/2) *
+    total / c``, ties to the earlier source), counted per unit: any unit holds each source within one of its share,
+    and the epoch the counts exactly."""
+    total = int(counts.sum())
     sources = np.repeat(np.arange(len(counts)), counts)
     ks = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
     at = (2 * ks + 1) * total / (2.0 * np.repeat(np.maximum(counts, 1), counts))
-    return sources[np.argsort(at, kind="stable")]
+    placed = sources[np.argsort(at, kind="stable")]
+    units = np.repeat(np.arange(len(sizes)), sizes)
+    return np.bincount(units * len(counts) + placed, minlength=len(sizes) * len(counts)).reshape(len(sizes), -1)
 
 
 def source_of(ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """The source of each flat id (``starts``: each source's first flat id)."""
     return np.searchsorted(starts, ids, side="right") - 1
+
+
+def grouped(batches: list[np.ndarray], starts: np.ndarray) -> list[tuple[np.ndarray, tuple[int, ...]]]:
+    """Batches of flat ids in any order (a pass resumed on other ranks or batch sizes, an epoch's padded tail) as
+    ``(indices, bounds)``, as ``EpochPlan`` gives its units: grouped by source (sources in order, each in the
+    batch's order), ``indices`` their indices in their sources, source ``s``'s being ``indices[bounds[s]:bounds[s +
+    1]]``. All batches at once: a few passes per source over them, no sort."""
+    if not batches:
+        return []
+    sizes = np.array([len(b) for b in batches], np.int64)
+    flat = np.concatenate(batches)
+    sources = source_of(flat, starts)
+    which = np.repeat(np.arange(len(batches)), sizes)
+    counts = np.bincount(which * len(starts) + sources, minlength=len(batches) * len(starts))
+    # Each batch's counts of source 0, then 1, ...; each source's samples keep their order, so the k-th of source s
+    # in the grouped sequence is its k-th in the batches'.
+    grouped_sources = np.repeat(np.tile(np.arange(len(starts)), len(batches)), counts)
+    local = np.empty_like(flat)
+    for s in range(len(starts)):
+        local[grouped_sources == s] = flat[sources == s] - starts[s]
+    bounds = np.zeros((len(batches), len(starts) + 1), np.int64)
+    np.cumsum(counts.reshape(len(batches), len(starts)), axis=1, out=bounds[:, 1:])
+    return list(zip(np.split(local, np.cumsum(sizes)[:-1]), map(tuple, bounds.tolist())))

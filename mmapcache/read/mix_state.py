@@ -8,7 +8,8 @@ A state (format ``mmapcache.mixture/1``, plain values that ``torch.save`` stores
 - the loader's batching: ``batch_size``, ``drop_last``, ``world_size`` (the ranks reading one order: the job's, or
   a node's); another batch size or number of ranks resumes *elastically* (``read.epoch_split``), except over node
   shares (each node reads its own order: same nodes, same ranks);
-- where it is: the pass in flight or the next (``epoch``, ``repeat``, ``counts``, ``in_epoch``), ``offset``, the
+- where it is: the pass in flight or the next (``epoch``, ``repeat``, ``counts``, ``unit``: the batch size it was
+  drawn for, ``in_epoch``), ``offset``, the
   positions of that pass's order the ranks have read, and ``ended``, whether the pass was read to its last batch;
 - the mixture's ``setting`` (``{"weights", "epoch_size"}`` or ``{"counts"}``), restored for the passes after it
   unless the setting was changed since the loader was made (as ``set_epoch``'s epoch stands).
@@ -58,7 +59,7 @@ def save(loader: MixtureLoader) -> dict[str, Any]:
         offset = order.base + current.yielded * steps
     else:  # between passes: what the next one draws
         drawn, offset, ended, in_epoch = order.next_pass(), 0, False, False
-    state.update(epoch=drawn.epoch, repeat=drawn.repeat, counts=list(drawn.counts), in_epoch=in_epoch,
+    state.update(epoch=drawn.epoch, repeat=drawn.repeat, counts=list(drawn.counts), unit=drawn.unit, in_epoch=in_epoch,
                  offset=offset, ended=ended, setting=order.mixture.setting())
     return state
 
@@ -94,10 +95,11 @@ def load(loader: MixtureLoader, state: Any) -> None:
         m.restore_setting(state.get("setting"))
     if m.epoch_sets == order.sets_seen:  # no set_epoch since the loader was made: the state's epoch
         m.restore_epoch(epoch)
-    drawn = MixPass(epoch, repeat, tuple(counts))  # type: ignore[arg-type]  # (a list of ints: checked above)
+    unit = _integer(state, "unit", 1, 2**31)
+    drawn = MixPass(epoch, repeat, tuple(counts), unit)  # type: ignore[arg-type]  # (a list of ints: checked above)
     order.resume = (drawn, offset, ended) if in_epoch else None
     if not in_epoch:
-        order.record(MixPass(epoch, repeat - 1, drawn.counts))  # the next pass of this epoch is the state's
+        order.record(MixPass(epoch, repeat - 1, drawn.counts, unit))  # the next pass of this epoch is the state's
 
 
 def _sources_differ(saved: Any, mine: list[dict[str, Any]]) -> str:
