@@ -154,3 +154,14 @@ def test_prewarm_script(shm_dir: str, tmp_path) -> None:
     assert "summary: 24 of 24 images cached" in out, out
     assert "[prewarm] build finished:" in out and re.search(r"filled:\s+24 of 24 rows \(100.0%\)", out), out
     assert os.listdir(shm_dir) == ["prewarmed"]
+
+
+def test_mixture_reads_its_weights_follows_its_curriculum_and_resumes_on_two_ranks(shm_dir: str) -> None:
+    out = run([sys.executable, os.path.join(EXAMPLES, "mixture.py"), "--cache-dir", shm_dir, "--epochs", "3",
+               "--epoch-size", "300", "--batch-size", "16"])
+    assert "per epoch: {'web': 210, 'code': 60, 'curated': 30} of 300 samples" in out, out
+    assert re.search(r"epoch 1: \{'web': 210, 'code': 60, 'curated': 30\}", out), out
+    assert re.search(r"epoch 2: \{'web': 150, 'code': 60, 'curated': 90\}", out), out  # the curriculum's step
+    resumed = re.search(r"(\d+) samples left, (\d+) read by the 2 ranks \((\d+) of padding\), the same sources: True",
+                        out)
+    assert resumed and int(resumed.group(1)) + int(resumed.group(3)) == int(resumed.group(2)), out
