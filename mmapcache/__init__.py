@@ -35,6 +35,7 @@ __all__ = [
     "Mixture",
     "PadCollate",
     "Padded",
+    "TextCollate",
     "ShareSampler",
     "build",
     "BuildReport",
@@ -77,6 +78,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers
     from .mixture import Mixture
     from .read.collate import PadCollate, Padded
     from .read.sampler import ShareSampler
+    from .read.text_collate import TextCollate
     from .store.admin import gc, remove
     from .store.paths import cache_root
 
@@ -88,6 +90,7 @@ _LAZY = {
     "PadCollate": "read.collate",
     "Padded": "read.collate",
     "ShareSampler": "read.sampler",
+    "TextCollate": "read.text_collate",
     "build": "fill.build",
     "BuildReport": "fill.driver",
     "verify": "admin.verify",

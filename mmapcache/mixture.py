@@ -21,6 +21,7 @@ from .read.collate import PadCollate
 from .read.mix_batches import MixedReads, merged_layout
 from .read.mix_loader import MixtureLoader, MixtureOrder
 from .read.mix_order import apportion
+from .read.text_collate import TextCollate
 
 __all__ = ["Mixture"]
 
@@ -188,7 +189,7 @@ class Mixture:
             kwargs.pop(name, None)
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1 for a mixture, got {batch_size!r}")
-        pad = collate_fn if isinstance(collate_fn, PadCollate) else None
+        pad = collate_fn if isinstance(collate_fn, (PadCollate, TextCollate)) else None
         if pad is not None:
             pad.check_fields({f.name for f in self.layouts[self.main].fields if f.kind != "json"})
         order = MixtureOrder(self, batch_size=int(batch_size), drop_last=bool(drop_last), rank=rank,

@@ -18,6 +18,7 @@ from . import loader_state
 from .collate import PadCollate
 from .order import BatchOrder
 from .stream_loader import StreamLoader
+from .text_collate import TextCollate
 
 
 class BatchReader(Protocol):
@@ -55,7 +56,8 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
     """``ds.loader(**kwargs)``: a ``CacheLoader``, or a ``StreamLoader`` for a stream (see ``ds.loader``)."""
     _check_workers_can_import(ds, kwargs)
     collate = kwargs.get("collate_fn")
-    pad = collate if isinstance(collate, PadCollate) else None  # fused into the gather: pads from the heaps
+    # Fused into the gather: pads from the heaps.
+    pad = collate if isinstance(collate, (PadCollate, TextCollate)) else None
     if pad is not None:
         pad.check_fields(set(ds.fields))
     if ds.stream:
@@ -243,7 +245,7 @@ class _Reads(Dataset):
 class _Batches(_Reads):
     """Maps ``(epoch, indices)`` to the collated batch, gathered in one step per field (``read_batch``)."""
 
-    def __init__(self, ds: BatchReader, pad: PadCollate | None = None, trusted: bool = False) -> None:
+    def __init__(self, ds: BatchReader, pad: PadCollate | TextCollate | None = None, trusted: bool = False) -> None:
         self.ds = ds
         self.pad = pad
         self.trusted = trusted

@@ -313,7 +313,10 @@ class RowReader:
         becomes a list of its values, or with ``pad`` (a ``PadCollate``) a ``Padded`` batch. So does a 1-D list of
         numbers (always ragged), in every batch: ``default_collate`` transposes a batch of lists of one length (a
         list of L tensors of B numbers), and such a batch of token ids (every batch of one sample, or lengths equal
-        by chance) would change its structure from one batch to the next."""
+        by chance) would change its structure from one batch to the next. With a ``TextCollate``, its batch."""
+        collate = getattr(pad, "from_columns", None)  # a TextCollate
+        if collate is not None:
+            return collate(self, columns)
         leaves = []
         for field, convert, split, column in zip(self.fields, self._batch_converters, self._splitters, columns):
             if not field.ragged:
