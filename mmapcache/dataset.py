@@ -83,6 +83,12 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
             A field that kept a shape and meets another later is a ``LayoutError`` naming the fix.
         max_shapes: ``{field_path: max_shape}`` for varying fields stored instead in fixed rows of the maximum
             shape (each sample's actual shape is stored beside it, and a hit returns exactly what was stored).
+        store_as: ``{field_path: dtype}`` for ragged fields whose values fit a narrower type than the source's
+            (token ids of a vocabulary under 2**31 in ``"int32"``, under 65,536 in ``"uint16"``), stored so and
+            returned in the source's dtype; ``"ones"`` for a field whose values are all ones (an attention mask
+            without padding), of which only the shapes are stored. Every value is checked as it is stored: one
+            that does not fit (or a mask with a zero) raises ``LayoutError`` naming the field, the value and the
+            fix, never a wrapped or rounded value. The fields named are ragged. Recorded in the cache (format 3).
         node_share: cache only this node's share of the dataset (multi-node jobs whose dataset is larger than one
             node's memory): ``True`` finds the node and node count from torchrun, SLURM or an initialised process
             group; ``(node, nodes)`` gives them. Every node computes the same seeded partition into ``nodes``
@@ -138,6 +144,7 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         stale: str = "recompute",
         ragged: Sequence[str] | str | None = "auto",
         max_shapes: Mapping[str, Sequence[int]] | None = None,
+        store_as: Mapping[str, str] | None = None,
         node_share: bool | tuple[int, int] = False,
         rotate_every: int | None = None,
         stream: bool = False,
@@ -185,7 +192,7 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
             raise ValueError("rotate_every rotates a node share; a stream reads every sample fresh each epoch")
         split = stream_split_option(node_share, self.path) if stream else None
         self._request = Request(self.path, self.fingerprint, CreateOptions(max_bytes, cache_indices, variants,
-                                max_shapes, ragged, share, stream, split), overwrite,
+                                max_shapes, ragged, share, stream, split, store_as), overwrite,
                                 self.delete_on_close, self.variant_choice, self.seed)
         store, self.created = open_cache(self._request, self._source())
         self._identity = identity(store)

@@ -100,15 +100,15 @@ def _edit_meta(path: str, **changes: object) -> None:
 
 
 def test_future_format_version(filled_cache: str) -> None:
-    _edit_meta(filled_cache, format_version=3)
-    _open_fails(filled_cache, r"format version 3, this mmapcache reads version 2; upgrade mmapcache")
+    _edit_meta(filled_cache, format_version=4)
+    _open_fails(filled_cache, r"format version 4, this mmapcache reads versions 2 and 3; upgrade mmapcache")
 
 
 def test_version_1_cache_is_refused_with_the_rebuild_command(filled_cache: str) -> None:
     _edit_meta(filled_cache, format_version=1)
-    _open_fails(filled_cache, r"format version 1, written by an older mmapcache; this mmapcache reads version 2\. "
-                              r"A cache is derived data: rebuild it \(`mmapcache rm --force .*`, then open it with its "
-                              r"source dataset or run `mmapcache build`\)")
+    _open_fails(filled_cache, r"format version 1, written by an older mmapcache; this mmapcache reads versions 2 "
+                              r"and 3\. A cache is derived data: rebuild it \(`mmapcache rm --force .*`, then open it "
+                              r"with its source dataset or run `mmapcache build`\)")
 
 
 @pytest.mark.parametrize("changes, match", [

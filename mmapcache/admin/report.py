@@ -106,6 +106,11 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
             if field.ragged:
                 entry["heap"] = _heap_report(store.heap_counters[ragged_number])
                 ragged_number += 1
+                # How the values are stored (store_as) and how many elements (tokens) the filled rows hold.
+                entry["stored"] = "ones" if field.ones else field.storage_dtype.name if field.stored else None
+                index = store.index[len(fields)]
+                shapes = index[held_rows, 2:] if index is not None else np.zeros((0, 1), np.int64)
+                entry["elements"] = int(np.prod(np.maximum(shapes, 0), axis=1).sum())
             fields.append(entry)
         n_filled = int(filled.sum())
         return {

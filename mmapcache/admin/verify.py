@@ -224,11 +224,15 @@ def _check_heaps(store: Store, complete: np.ndarray, owned: np.ndarray, interrup
         entries = index[rows]
         offsets, capacities, shapes = entries[:, 0], entries[:, 1], entries[:, 2:]
         # In float64: a damaged row must not overflow int64 into a plausible size.
-        nbytes = np.prod(shapes, axis=1, dtype=np.float64) * field.np_dtype.itemsize
+        # (A field stored as ones keeps no bytes: its rows' extents are empty, at offset 0.)
+        itemsize = field.value_itemsize
+        align = max(itemsize, 1)
+        nbytes = np.prod(shapes, axis=1, dtype=np.float64) * itemsize
         bad = (offsets < 0) | (capacities < 0) | (shapes < 0).any(axis=1) | (nbytes > capacities) | (
             offsets.astype(np.float64) + capacities > end) | (
-            offsets % field.np_dtype.itemsize != 0) | ~field.keeps_fixed(shapes) | ~shapeable(
-            shapes, field.np_dtype.itemsize)
+            offsets % align != 0) | ~field.keeps_fixed(shapes) | ~shapeable(shapes, align)
+        if field.ones:
+            bad |= (offsets != 0) | (capacities != 0)
         if bad.any():
             k = int(np.argmax(bad))
             result.problems.append(f"{where}: row {int(rows[k])} holds [offset, extent, *shape] "
@@ -238,11 +242,11 @@ def _check_heaps(store: Store, complete: np.ndarray, owned: np.ndarray, interrup
         # The other rows' extents, checked as a writer checks them before reusing or freeing them (rare: a row is
         # written whole yet not marked filled only after damage, or a writer killed between the two).
         held = index[kept, :2].tolist()
-        wrong = _first_refused(heap, held, kept, field.np_dtype.itemsize)
+        wrong = _first_refused(heap, held, kept, align)
         if wrong is not None:
             result.problems.append(f"{where}: row {int(kept[wrong])} (not complete, its extent kept for its next "
                                    f"value) records the extent {held[wrong]}, not a part of the heap's {end} used "
-                                   f"bytes at a multiple of {field.np_dtype.itemsize}: the file is damaged")
+                                   f"bytes at a multiple of {align}: the file is damaged")
             continue
         extents = sorted((int(a), int(n)) for a, n in itertools.chain(zip(offsets, capacities), held) if n)
         free, problem = heap.free_extents()

@@ -57,6 +57,10 @@ def register(add: Add) -> None:
                    help="on creation, fields whose shape varies, packed at each value's size: 'auto' (default: found "
                         "from 8 samples), field paths, e.g. 'input_ids,boxes', or 'none' (every field keeps the first "
                         "sample's shape)")
+    p.add_argument("--store-as", metavar="FIELD=TYPE,...",
+                   help="on creation, ragged fields stored narrower than the source's dtype and read back in it, "
+                        "e.g. 'input_ids=int32,attention_mask=ones' (ones: a field of all ones, only its shapes "
+                        "stored); a value that does not fit fails, naming it")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                    help="on creation, record whether the source returns the same sample for an index every time "
                         "(default); --no-deterministic for random augmentation: openers then compare layouts, not "
@@ -97,6 +101,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
             indices=args.indices,
             fingerprint=args.fingerprint, max_bytes=args.max_bytes, variants=args.variants,
             max_shapes=_max_shapes(args.max_shapes), refresh=args.refresh, ragged=_ragged(args.ragged),
+            store_as=_store_as(args.store_as),
             follow=args.follow, fail_fast=args.fail_fast, check_finite=args.check_finite, seed=args.seed,
             progress=True,
             deterministic=args.deterministic,
@@ -150,6 +155,17 @@ def _ragged(text: str | None) -> list[str] | str | None:
         raise UsageError("--ragged takes 'auto', 'none' or field paths separated by commas, e.g. --ragged "
                          "input_ids,boxes")
     return names
+
+
+def _store_as(text: str | None) -> dict[str, str] | None:
+    """``--store-as``: ``field=type`` pairs separated by commas."""
+    if text is None:
+        return None
+    pairs = [part.strip().partition("=") for part in text.split(",") if part.strip()]
+    if not pairs or any(not name.strip() or not sep or not how.strip() for name, sep, how in pairs):
+        raise UsageError(f"--store-as takes field=type pairs separated by commas, e.g. --store-as "
+                         f"input_ids=int32,attention_mask=ones; got {text!r}")
+    return {name.strip(): how.strip() for name, _, how in pairs}
 
 
 def _max_shapes(text: str | None) -> dict[str, list[int]] | None:

@@ -107,7 +107,10 @@ def _render_field(field: dict[str, Any]) -> str:
         text += " (max, variable)"
     heap = field.get("heap")
     if heap is not None:
-        text += f" (ragged: {heap['text']})"
+        stored = field.get("stored")
+        how = "" if stored is None else "all ones, only shapes stored; " if stored == "ones" else \
+            f"stored as {stored}; "
+        text += f" (ragged: {how}{heap['text']}; {field.get('elements', 0):,} elements in filled rows)"
     return text
 
 

@@ -70,6 +70,7 @@ def build(
     variants: int | None = None,
     max_shapes: Mapping[str, Sequence[int]] | None = None,
     ragged: Sequence[str] | str | None = "auto",
+    store_as: Mapping[str, str] | None = None,
     refresh: float | None = None,
     node_share: bool | tuple[int, int] = False,
     rotate_every: int | None = None,
@@ -99,8 +100,8 @@ def build(
         shard: ``(i, n)``: fill only the i-th of n disjoint parts (see the module docstring); ``"auto"``: the
             local rank's part under torchrun, else everything; None: everything.
         indices: ``(start, stop)``: only source indices in ``[start, stop)`` (stop None: to the end).
-        fingerprint, max_bytes, variants, max_shapes, ragged: as for ``MmapCachedDataset``: used when the cache is
-            created; checked against an existing cache (fingerprint, variants, ragged fields).
+        fingerprint, max_bytes, variants, max_shapes, ragged, store_as: as for ``MmapCachedDataset``: used when
+            the cache is created; checked against an existing cache (fingerprint, variants, ragged fields, store_as).
         refresh: first mark this fraction of the filled rows stale, then refill them.
         node_share, rotate_every, share_seed: as ``MmapCachedDataset``'s ``node_share``, ``rotate_every`` and
             ``seed``: under torchrun or SLURM, create (or check) this node's share and fill only it. A rotating
@@ -158,7 +159,8 @@ def build(
         raise UsageError(f"{what}: it is produced continuously, ahead of its readers, not filled once; run the "
                          "build with --follow (follow=True) next to training")
     store, created = _open_or_create(path, spec, fingerprint=fingerprint, max_bytes=max_bytes, variants=variants,
-                                     max_shapes=max_shapes, ragged=ragged, deterministic=deterministic,
+                                     max_shapes=max_shapes, ragged=ragged, store_as=store_as,
+                                     deterministic=deterministic,
                                      share=share, stream=stream, stream_seed=stream_seed, split=split,
                                      check_finite=check_finite)
     report = BuildReport(path)
@@ -203,6 +205,7 @@ def build(
 def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, max_bytes: Any,
                     variants: int | None, max_shapes: Mapping[str, Sequence[int]] | None,
                     ragged: Sequence[str] | str | None, deterministic: bool,
+                    store_as: Mapping[str, str] | None = None,
                     share: Share | None, stream: bool, stream_seed: int,
                     split: StreamSplit | None = None, check_finite: bool = False) -> tuple[Store, bool]:
     """Opens the cache, checking that it matches the source (its first sample's layout, and its bytes without a
@@ -218,7 +221,7 @@ def _open_or_create(path: str, spec: DatasetSpec, *, fingerprint: str | None, ma
                               f"{type(exc).__name__}: {exc}; fix the source (--debug shows the traceback)") from exc
 
     request = Request(path, fingerprint, CreateOptions(max_bytes, None, variants, max_shapes, ragged, share, stream,
-                                                       split), seed=stream_seed)
+                                                       split, store_as), seed=stream_seed)
     store, created = open_cache(request, Source(len(dataset), fetch, checker(check_finite),
                                                 deterministic=deterministic))
     if not store.writable:

@@ -92,7 +92,7 @@ def create_locked(request: Request, source: Source) -> None:
     index = first_index(options, source.length, request.seed)
     sample = source.fetch(index)
     try:
-        layout = Layout.from_samples([sample], options.max_shapes, options.declared_ragged)
+        layout = Layout.from_samples([sample], options.max_shapes, options.declared_ragged, options.store_as)
     except LayoutError as exc:
         raise LayoutError(f"sample {index}: {exc}") from None
     samples = [(index, sample)]
@@ -116,7 +116,8 @@ def create_locked(request: Request, source: Source) -> None:
     refills = len(samples) > 1 and overlaps([arrays_of(s) for _, s in samples])
     if auto:
         try:
-            layout = Layout.from_samples([s for _, s in samples], options.max_shapes, options.declared_ragged)
+            layout = Layout.from_samples([s for _, s in samples], options.max_shapes, options.declared_ragged,
+                                         options.store_as)
         except LayoutError as exc:
             raise LayoutError(f"sample {index}: {exc}") from None
     ragged_bytes = _ragged_bytes(layout, [s for _, s in samples])
@@ -207,7 +208,8 @@ def _has_empty_list(sample: Any) -> bool:
 
 
 def _ragged_bytes(layout: Layout, samples: list[Any]) -> int:
-    """The mean bytes per sample of the ragged fields' values among ``samples`` (an estimate for planning)."""
+    """The mean bytes per sample of the ragged fields' values among ``samples`` as stored (an estimate for
+    planning)."""
     numbers = [n for n, f in enumerate(layout.fields) if f.ragged]
     if not numbers:
         return 0
@@ -215,7 +217,8 @@ def _ragged_bytes(layout: Layout, samples: list[Any]) -> int:
     for sample in samples:
         try:
             leaves = flatten(sample)[1]
-            sizes.append(sum(leaves[n].value.nbytes for n in numbers if n < len(leaves)))
+            sizes.append(sum(leaves[n].value.size * layout.fields[n].value_itemsize for n in numbers
+                             if n < len(leaves)))
         except LayoutError:
             continue
     return int(np.mean(sizes)) if sizes else 0

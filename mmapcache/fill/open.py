@@ -32,6 +32,7 @@ import numpy as np
 
 from ..errors import CacheMismatchError, CacheNotFoundError, LayoutError
 from ..format.codec import differing_field, float_drift
+from ..format.layout import Layout
 from ..read.reader import RowReader
 from ..store import admin as _admin
 from ..store import create as _create
@@ -201,9 +202,29 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
         have_shapes = {f.name: f.shape for f in store.layout.fields if f.variable}
         if have_shapes != options.max_shapes:
             return f"max_shapes {have_shapes or None} in the cache, {options.max_shapes} given"
+    if options.store_as is not None:
+        have_narrowed = narrowed_fields(store.layout)
+        if have_narrowed != _normal(options.store_as):
+            return (f"store_as {have_narrowed or None} in the cache, {options.store_as} given (read it without "
+                    "store_as, or give the cache's)")
     if request.fingerprint is not None:
         return None  # a matching fingerprint identifies the source: no need to compute a sample
     return _sample_mismatch(store, request, source)
+
+
+def narrowed_fields(layout: Layout) -> dict[str, str]:
+    """The ``store_as`` a cache was made with: its narrowed fields' stored dtype names, or ``"ones"``."""
+    return {f.name: "ones" if f.ones else f.storage_dtype.name for f in layout.fields if f.stored or f.ones}
+
+
+def _normal(store_as: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for name, how in store_as.items():
+        try:
+            out[name] = how if how == "ones" else np.dtype(how).name
+        except TypeError:
+            out[name] = how
+    return out
 
 
 def _same_max_bytes(store: Store, options: CreateOptions) -> bool:

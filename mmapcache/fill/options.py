@@ -22,7 +22,7 @@ class CreateOptions:
 
     def __init__(self, max_bytes: Any, cache_indices: Any, variants: Any, max_shapes: Any,
                  ragged: Any = None, share: Share | None = None, stream: bool = False,
-                 split: StreamSplit | None = None) -> None:
+                 split: StreamSplit | None = None, store_as: Any = None) -> None:
         self.max_bytes = None if max_bytes is None else parse_size(max_bytes, "max_bytes")
         if variants is not None:
             if not _is_count(variants) or variants < 1:
@@ -50,6 +50,13 @@ class CreateOptions:
                                 f"got {ragged!r}")
             ragged = tuple(ragged)
         self.ragged = ragged
+        if store_as is not None:
+            if not isinstance(store_as, Mapping) or not all(
+                    isinstance(name, str) and isinstance(how, str) for name, how in store_as.items()):
+                raise TypeError("store_as must be a dict of field path -> a narrower dtype name or 'ones', e.g. "
+                                f"store_as={{'input_ids': 'int32', 'attention_mask': 'ones'}}, got {store_as!r}")
+            store_as = dict(store_as) or None
+        self.store_as: dict[str, str] | None = store_as
         if share is not None and cache_indices is not None:
             raise ValueError("node_share and cache_indices both choose which samples the cache holds; pass one")
         self.share = share

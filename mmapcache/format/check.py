@@ -64,6 +64,7 @@ def compile_checker(layout: Layout, path: str = "PATH",
     """
     walk = compile_walk(layout.structure)
     leaf_checks = [_compile_leaf(f) for f in layout.fields if f.kind != JSON]
+    narrowed = [(number, f) for number, f in enumerate(layout.fields) if f.stored is not None or f.ones]
     # A tensor subclass's attributes become the value of its metadata field (they follow the structure's fields).
     described = [(number, f.name) for number, f in enumerate(layout.fields) if f.metadata is not None]
 
@@ -89,10 +90,46 @@ def compile_checker(layout: Layout, path: str = "PATH",
         except Slow:
             values = None  # decided outside the handler: an error raised there must not chain onto Slow
         if values is None or described:
-            return slow(sample, index, leaves, values)
+            values = slow(sample, index, leaves, values)
+        if narrowed:
+            for number, field in narrowed:
+                problem = narrow_problem(field, values[number])
+                if problem is not None:
+                    error = LayoutError(f"sample {index}, field {field.name!r}: {problem}")
+                    raise error if refused is None else refused(error, index)
         return values
 
     return check
+
+
+def narrow_problem(field: Field, value: Any) -> str | None:
+    """Why ``value`` cannot be stored as ``field`` narrows it (``store_as``), or None: an integer that does not fit
+    the narrower type, a float it would round, a value of a ``"ones"`` field that is not 1. Never a silent wrap."""
+    array = np.asarray(value)
+    if not array.size:
+        return None
+    if field.ones:
+        bad = np.flatnonzero(array.reshape(-1) != 1)
+        if len(bad):
+            return (f"store_as='ones' keeps only values that are all ones, and this one holds "
+                    f"{array.reshape(-1)[bad[0]].item()!r} at position {int(bad[0])}: store the field as 'uint8' "
+                    "(or leave it out of store_as), or remove the cache and create it again")
+        return None
+    target = field.storage_dtype
+    if target.kind in "iu" and array.dtype.kind in "iub":
+        info = np.iinfo(target)
+        low, high = array.min().item(), array.max().item()
+        if low < info.min or high > info.max:
+            found = low if low < info.min else high
+            return (f"the value {found} does not fit {target.name} (store_as; {info.min}..{info.max}): store the "
+                    f"field as a wider type (or leave it out of store_as), or remove the cache and create it again")
+        return None
+    narrowed = array.astype(target)
+    if not np.array_equal(narrowed.astype(array.dtype), array, equal_nan=True):
+        at = int(np.flatnonzero(narrowed.astype(array.dtype).reshape(-1) != array.reshape(-1))[0])
+        return (f"the value {array.reshape(-1)[at].item()!r} is not exactly a {target.name} (store_as would round "
+                "it): store the field as a wider type (or leave it out of store_as)")
+    return None
 
 
 def compile_walk(structure: Any) -> Callable[[Any, list[Any]], None]:

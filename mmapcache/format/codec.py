@@ -127,9 +127,11 @@ def batch_builder(structure: Any) -> Callable[[Sequence[Any]], Any]:
 
 def leaf_converter(field: Field) -> Callable[[np.ndarray], Any]:
     """A function turning a stored value (a fresh, writable numpy array) into what the source returned (a tensor
-    subclass's field gives the plain tensor: ``subclass_wrapper`` makes the subclass)."""
+    subclass's field gives the plain tensor: ``subclass_wrapper`` makes the subclass). A value stored narrower
+    (``Field.stored``) comes back in the source's dtype."""
+    served = field.np_dtype
     if field.kind == NDARRAY:
-        return lambda a: a
+        return (lambda a: a.astype(served)) if field.stored is not None else (lambda a: a)
     if field.kind == STR:
         return lambda a: a.tobytes().decode("utf-8", TEXT_ERRORS)
     if field.kind == BYTES:
@@ -154,6 +156,8 @@ def leaf_converter(field: Field) -> Callable[[np.ndarray], Any]:
 
     from_numpy = torch.from_numpy
     target = torch_dtype(field)
+    if field.stored is not None:
+        return lambda a: from_numpy(a).to(target)
     if from_numpy(np.zeros(0, field.np_dtype)).dtype == target:
         return from_numpy
     return lambda a: from_numpy(a).view(target)

@@ -56,6 +56,13 @@ _HINTS = {
 }
 
 
+def narrower(served: np.dtype, stored: np.dtype) -> bool:
+    """Whether values of dtype ``served`` may be stored as ``stored`` (``store_as``): a narrower integer for an
+    integer (or bool), a narrower float for a float."""
+    same_kind = (served.kind in "iub" and stored.kind in "iu") or (served.kind == "f" and stored.kind == "f")
+    return same_kind and stored.itemsize < served.itemsize
+
+
 @dataclass(frozen=True)
 class Field:
     """One leaf of the sample layout.
@@ -63,7 +70,8 @@ class Field:
     Attributes:
         name: the field path, e.g. ``"0"`` or ``"meta.2"``.
         kind: one of ``KINDS``: what the leaf is rebuilt as.
-        dtype: the numpy storage dtype, as ``numpy.dtype.str`` (``"<f4"``, ``"|u1"``).
+        dtype: the numpy dtype, as ``numpy.dtype.str`` (``"<f4"``, ``"|u1"``): what the source returns, and what is
+            stored unless ``stored`` says otherwise.
         shape: the shape of one stored value; for a variable field, its declared maximum shape; for a ragged
             field, ``-1`` in each dimension that varies.
         torch_dtype: the torch dtype name for tensors (``"bfloat16"``), else None.
@@ -71,6 +79,9 @@ class Field:
         ragged: True if the values are packed in a heap with a per-row offset and shape (see ``store.heap``).
         tensor_class: ``(module, qualname)`` of a ``torch.Tensor`` subclass the value is rebuilt as, else None.
         metadata: the number of the field holding a tensor subclass's per-sample attributes, else None.
+        stored: a ragged field's values stored narrower than ``dtype`` (``"<i4"`` for int64 token ids; ``store_as``),
+            converted back to ``dtype`` when read; None: stored as ``dtype``.
+        ones: a ragged field whose values are all ones (an attention mask), of which only the shapes are stored.
     """
 
     name: str
@@ -82,10 +93,22 @@ class Field:
     ragged: bool = False
     tensor_class: tuple[str, str] | None = None
     metadata: int | None = None
+    stored: str | None = None
+    ones: bool = False
 
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """The dtype of a ragged field's values in its heap (``dtype`` unless ``stored`` narrows it)."""
+        return np.dtype(self.stored) if self.stored is not None else np.dtype(self.dtype)
+
+    @property
+    def value_itemsize(self) -> int:
+        """Bytes an element of a ragged field's value takes in its heap (0: ``ones``, none stored)."""
+        return 0 if self.ones else self.storage_dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +132,9 @@ class Field:
             "ragged": self.ragged,
             "class": None if self.tensor_class is None else list(self.tensor_class),
             "metadata": self.metadata,
+            # (Since format 3, only where set: a cache of format 2 has neither.)
+            **({"stored": self.stored} if self.stored is not None else {}),
+            **({"ones": True} if self.ones else {}),
         }
 
     @classmethod
@@ -124,6 +150,8 @@ class Field:
             ragged=bool(obj.get("ragged", False)),
             tensor_class=None if tensor_class is None else (str(tensor_class[0]), str(tensor_class[1])),
             metadata=obj.get("metadata"),
+            stored=None if obj.get("stored") is None else str(obj["stored"]),
+            ones=obj.get("ones") is True,
         )
 
     def fits(self, shape: tuple[int, ...]) -> bool:
@@ -141,7 +169,10 @@ class Field:
             return f"{self.kind} (ragged)"
         prefix = "<=" if self.variable else ""
         kind = self.tensor_class[1] if self.tensor_class else self.kind
-        return f"{kind} {dtype} {prefix}{shape}{' (ragged)' if self.ragged else ''}"
+        stored = " (ragged, all ones: shapes stored)" if self.ones else \
+            f" (ragged, stored as {self.storage_dtype.name})" if self.stored is not None else \
+            " (ragged)" if self.ragged else ""
+        return f"{kind} {dtype} {prefix}{shape}{stored}"
 
 
 @dataclass(frozen=True)

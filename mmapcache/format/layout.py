@@ -23,7 +23,7 @@ This module speaks numpy only; torch is imported lazily, when a torch tensor is 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,6 +55,7 @@ from .fields import (
     class_path,
     encode_metadata,
     find_class,
+    narrower,
     number_list,
 )
 from .tree import describe_structure, flatten, fold, route
@@ -99,11 +100,13 @@ class Layout:
 
     @classmethod
     def from_samples(cls, samples: Sequence[Any], max_shapes: dict[str, Sequence[int]] | None = None,
-                     ragged: Iterable[str] | None = None) -> Layout:
+                     ragged: Iterable[str] | None = None, store_as: Mapping[str, str] | None = None) -> Layout:
         """The layout of a first sample, with the shapes of the others (probes) deciding which fields are ragged.
 
         A field is ragged if it is named in ``ragged``, is ``str``/``bytes``, or its shape differs among the
-        samples; fields named in ``max_shapes`` are instead stored in fixed rows of that maximum shape. Probes
+        samples; fields named in ``max_shapes`` are instead stored in fixed rows of that maximum shape. Fields named
+        in ``store_as`` are ragged, their values stored narrower (``{"input_ids": "int32"}``) or, for a field of
+        ones (``"attention_mask": "ones"``), as their shapes alone (see ``Field.stored``). Probes
         whose structure differs from the first sample's are ignored here (storing them fails with the usual
         explanation).
 
@@ -139,12 +142,19 @@ class Layout:
                     shapes.add(leaf.field.shape)
         max_shapes = dict(max_shapes or {})
         declared = set(ragged or ())
+        store_as = dict(store_as or {})
         names = {leaf.field.name for leaf in leaves}
-        unknown = sorted((set(max_shapes) | declared) - names)
+        unknown = sorted((set(max_shapes) | declared | set(store_as)) - names)
         if unknown:
             known = ", ".join(repr(leaf.field.name) for leaf in leaves)
-            option = "max_shapes" if set(unknown) & set(max_shapes) else "ragged"
+            option = "max_shapes" if set(unknown) & set(max_shapes) else "store_as" if set(unknown) & set(
+                store_as) else "ragged"
             raise LayoutError(f"{option} names unknown field(s) {unknown}; the sample's fields are {known}")
+        both = sorted(set(store_as) & set(max_shapes))
+        if both:
+            raise LayoutError(f"field(s) {both} are named in both max_shapes and store_as; store_as narrows the values "
+                              "of fields stored ragged: leave them out of max_shapes")
+        declared |= {name for name in store_as if name in names}  # (narrowed values are stored packed: ragged)
         both = sorted(declared & set(max_shapes))
         if both:
             raise LayoutError(f"field(s) {both} are named in both max_shapes and ragged; choose one (ragged packs "
@@ -154,6 +164,9 @@ class Layout:
             field = leaf.field
             if field.kind == PYLIST and leaf.value.size == 0:
                 field = replace(field, dtype=_probed_list_dtype(samples[1:], structure, number, field.dtype))
+            if field.name in store_as and field.kind not in (TENSOR, NDARRAY, PYLIST):
+                raise LayoutError(f"store_as names field {field.name!r}, of kind {field.kind}: it narrows the values "
+                                  "of tensors, arrays, lists of numbers (token ids, masks): leave it out of store_as")
             if field.name in max_shapes:
                 if field.kind not in (TENSOR, NDARRAY, PYLIST) or not field.shape:
                     what = "always stored packed at its own size (ragged)" if field.kind in BYTE_KINDS else \
@@ -169,6 +182,8 @@ class Layout:
                 field = _ragged_field(field, shapes, field.name in declared)
             elif field.kind == PYLIST and len(field.shape) == 1:
                 field = _ragged_field(field, shapes, True)  # a list of numbers: token ids, as often as not
+            if field.name in store_as:
+                field = _stored_as(field, store_as[field.name])
             fields.append(field)
         return cls(structure, tuple(fields))
 
@@ -238,6 +253,31 @@ class Layout:
                 shown = f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
                 out.append((f"field {field.name!r} of shape {shown}", f"shape {found.shape}"))
         return out
+
+
+def _stored_as(field: Field, how: Any) -> Field:
+    """A ragged ``field`` stored as ``store_as`` asks: a narrower dtype of its kind, or ``"ones"`` (see ``Field``).
+
+    Raises:
+        LayoutError: not a dtype, or one that is not a narrower one of the field's kind; the message names the
+            field and the fix.
+    """
+    if how == "ones":
+        return replace(field, ones=True)
+    try:
+        target = np.dtype(how)
+    except TypeError:
+        raise LayoutError(f"store_as={{{field.name!r}: {how!r}}}: not a numpy dtype name ('int32', 'uint8', "
+                          "'float16'...) nor 'ones'") from None
+    served = field.np_dtype
+    if field.torch_dtype is not None and field.torch_dtype != served.name:
+        raise LayoutError(f"store_as={{{field.name!r}: {how!r}}}: field {field.name!r} holds {field.torch_dtype}, "
+                          "which numpy has no type for (it is stored as its bits): store it as it is (leave it out)")
+    if not narrower(served, target):
+        raise LayoutError(f"store_as={{{field.name!r}: {how!r}}}: field {field.name!r} holds {served.name}, and "
+                          f"{target.name} is not a narrower type of its kind (an integer field in a narrower "
+                          "integer, a float field in a narrower float); store it as it is (leave it out)")
+    return replace(field, stored=target.str)
 
 
 def _kind_of(field: Field) -> str:

@@ -24,22 +24,28 @@ from .fields import (
     JSON,
     KINDS,
     MAX_DIMS,
+    NDARRAY,
     NPBYTES,
     NPSCALAR,
     NPSTR,
+    PYLIST,
     STR,
+    TENSOR,
+    narrower,
 )
 from .layout import Layout
 from .spec import (
     CHANGES,
     FILLED,
     FORMAT_VERSION,
+    FORMAT_VERSIONS_READ,
     HEAPS,
     KEYS,
     LOCK,
     MAGIC,
     META,
     MODES,
+    NARROWED_SINCE,
     PRODUCERS,
     RING,
     SEQ,
@@ -92,7 +98,9 @@ def make_meta(
     fields = [{**field.to_json(), **files} for field, files in zip(layout.fields, field_files(layout))]
     return {
         "magic": MAGIC,
-        "format_version": FORMAT_VERSION,
+        # Format 3 only where a field is stored narrowed: every other cache stays readable by readers of format 2.
+        "format_version": FORMAT_VERSION if any(f.stored is not None or f.ones for f in layout.fields)
+        else NARROWED_SINCE - 1,
         "library_version": library_version,
         "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "mode": "cache" if stream is None else "stream",
@@ -131,14 +139,14 @@ def parse_meta(text: str, directory: str) -> dict[str, Any]:
     version = meta.get("format_version")
     if version == 1:
         raise CacheFormatError(
-            f"{path}: format version 1, written by an older mmapcache; this mmapcache reads version {FORMAT_VERSION}. "
+            f"{path}: format version 1, written by an older mmapcache; this mmapcache reads versions 2 and 3. "
             f"A cache is derived data: rebuild it (`mmapcache rm --force {directory}`, then open it with its source "
             "dataset or run `mmapcache build`)"
         )
-    if version != FORMAT_VERSION:
+    if version not in FORMAT_VERSIONS_READ:
         raise CacheFormatError(
-            f"{path}: format version {version!r}, this mmapcache reads version {FORMAT_VERSION}; upgrade mmapcache "
-            f"to read it, or remove it (`mmapcache rm --force {directory}`) and build it again"
+            f"{path}: format version {version!r}, this mmapcache reads versions 2 and 3; upgrade mmapcache to read it, "
+            f"or remove it (`mmapcache rm --force {directory}`) and build it again"
         )
     try:
         _check_meta(meta)
@@ -150,6 +158,7 @@ def parse_meta(text: str, directory: str) -> dict[str, Any]:
 
 
 def _check_meta(meta: dict[str, Any]) -> None:
+    version = meta["format_version"]
     if meta["mode"] not in MODES:
         raise ValueError(f"mode {meta['mode']!r} is not one of {MODES}")
     _check_share(meta)
@@ -182,6 +191,9 @@ def _check_meta(meta: dict[str, Any]) -> None:
             raise ValueError(f"field {field.name!r}: bad kind {field.kind!r}, dtype {field.dtype!r} or shape "
                              f"{field.shape}")
         _check_field(field, meta["fields"][number])
+        if (field.stored is not None or field.ones) and version < NARROWED_SINCE:
+            raise ValueError(f"field {field.name!r} is stored narrowed ('stored'/'ones'), which format "
+                             f"{NARROWED_SINCE} introduced, in a cache of format {version}")
         if field.metadata is not None and not (
                 type(field.metadata) is int and 0 <= field.metadata < len(layout.fields)
                 and layout.fields[field.metadata].kind == JSON and field.tensor_class is not None):
@@ -242,6 +254,13 @@ def _check_field(field: Any, spec: dict[str, Any]) -> None:
         problem = f"torch_dtype {field.torch_dtype!r} is not stored as {field.dtype!r}"
     elif field.np_dtype.kind not in "biufc" or len(field.shape) > MAX_DIMS:
         problem = f"dtype {field.dtype!r} or {len(field.shape)} dimensions cannot be stored"
+    elif (field.stored is not None or field.ones) and not (field.ragged and field.kind in (TENSOR, NDARRAY, PYLIST)):
+        problem = "stored narrowed ('stored' or 'ones'), which only ragged tensors, arrays and lists are"
+    elif field.stored is not None and field.ones:
+        problem = "both 'stored' and 'ones'"
+    elif field.stored is not None and (not narrower(field.np_dtype, field.storage_dtype) or (
+            field.torch_dtype not in (None, field.np_dtype.name))):
+        problem = f"stored as {field.stored!r}, not a narrower type of its dtype {field.dtype!r}"
     if problem is not None:
         raise ValueError(f"field {field.name!r}: {problem}")
 

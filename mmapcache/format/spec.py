@@ -1,8 +1,8 @@
 """The on-disk format of a cache, as a document: every file, its bytes, and how writers and readers use them; the
 file names, magic and version as constants (``format.meta`` builds and validates ``meta.json``).
 
-Format version 2
-================
+Format version 3 (and 2)
+========================
 
 A cache is a directory. Every file in it is created before the directory is renamed into place, so a
 reader never sees a partial cache: it is built as ``<parent>/.mmapcache-new-PID-HEX/cache`` (a scratch directory
@@ -73,6 +73,15 @@ Ragged fields (``ragged`` true: ``str``, ``bytes``, json, 1-D lists of numbers, 
   class ``c``: sizes in ``[(8 + c % 8) << (c // 8 + 1), (9 + c % 8) << (c // 8 + 1))`` (8 classes per power of
   two from 16 bytes). A free extent's first 16 bytes are two little-endian uint64: 1 + the offset of the next
   extent on its list (0: the last), and its own size. Changed only under the writer lock.
+
+Narrowed fields (version 3; ``store_as``): a ragged tensor, array or list field's entry may say ``"stored":
+"<i4"`` (a narrower ``numpy.dtype.str`` of its dtype's kind: an integer in a narrower integer, a float in a
+narrower float; not for a ``torch_dtype`` numpy has no type for): its heap holds the values in that dtype, offsets
+a multiple of its item size, and readers convert them back to ``dtype``. Or ``"ones": true``: every value is all
+ones, nothing of it is in the heap; its index row is ``[0, 0, *shape]`` (a row of any other extent is damage), and
+the heap file stays empty. Writers check every value before storing it: one that the narrower dtype does not
+hold exactly (or a value of a ``ones`` field that is not all ones) is refused, never wrapped or rounded. A field's
+entry without either key is stored as ``dtype``, as in version 2.
 
 How writers use the heap (``store.heap`` has the details): a row's first value gets an extent of exactly its size at
 ``end``; a rewrite stays in place when it fits the row's extent and uses at least half of it, else moves to an
@@ -183,12 +192,18 @@ Format history
    damage (they would read the node's sequence as the whole order). Since 0.6, ``ring.u64`` has a third word per
    rank (its taken end) and the number of readers in header word 6; a ring without them is read as before (a
    position may be computed twice), and readers before 0.6 refuse the longer ring as damage.
+3 (mmapcache 0.6): a ragged field may be stored narrowed (``store_as``): ``"stored"`` or ``"ones"`` in its entry
+   (see "Narrowed fields"). Only a cache with such a field is written as version 3, so every other cache stays
+   readable by readers of version 2; a reader of version 2 refuses a version-3 cache (it would read int32 ids as
+   int64 ones), and this version refuses a version-2 cache whose fields say ``stored`` or ``ones`` as damage.
 """
 
 from __future__ import annotations
 
 MAGIC = "mmapcache"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+FORMAT_VERSIONS_READ = (2, 3)
+NARROWED_SINCE = 3  # a cache with a field stored narrowed (store_as) is written as format 3, any other as format 2
 MODES = ("cache", "stream")
 
 META = "meta.json"

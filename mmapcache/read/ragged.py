@@ -73,6 +73,22 @@ def ragged_reader(index: np.ndarray, heap: Heap, dtype: np.dtype) -> Callable[[i
     return read
 
 
+def ones_reader(index: np.ndarray, dtype: np.dtype) -> Callable[[int], np.ndarray]:
+    """``ragged_reader`` for a field stored as ``"ones"``: the row's value is all ones of its recorded shape (nothing
+    in the heap: its extent is empty)."""
+    width = index.shape[1]
+    words = _words(index)
+
+    def read(row: int) -> np.ndarray:
+        base = row * width
+        shape = tuple(words[base + 2:base + width])
+        if words[base] != 0 or words[base + 1] != 0 or min(shape) < 0 or math.prod(shape) >= _MAX_VALUE:
+            raise Torn(f"its index row [offset, extent, *shape] = {[words[base], words[base + 1], *shape]} is not an "
+                       "all-ones value's (no bytes, a shape)")
+        return np.ones(shape, dtype)
+    return read
+
+
 def str_reader(index: np.ndarray, heap: Heap) -> Callable[[int], str]:
     """``_ragged_reader`` for a str field, straight to ``str`` (one copy, into the decoded string)."""
     words = _words(index)
@@ -137,8 +153,12 @@ def shapeable(shapes: np.ndarray, itemsize: int) -> np.ndarray:
 
 def gather_ragged(field: Field, index: np.ndarray, heap: Heap, rows: np.ndarray,
                    readable: np.ndarray) -> RaggedColumn:
-    """The values of ``rows`` (where ``readable``) of a ragged field, copied out of its heap in one step."""
-    itemsize = field.np_dtype.itemsize
+    """The values of ``rows`` (where ``readable``) of a ragged field, copied out of its heap in one step (for a field
+    stored as ``"ones"``, made from the shapes alone). In the heap's dtype (``Field.storage_dtype``)."""
+    if field.ones:
+        return _gather_ones(field, index, rows, readable)
+    dtype = field.storage_dtype
+    itemsize = dtype.itemsize
     entries = index[rows]
     offsets, capacities, shapes = entries[:, 0], entries[:, 1], entries[:, 2:]
     # Sizes in float64 first: a damaged (or torn) index row must not overflow int64 into a valid-looking extent.
@@ -152,16 +172,25 @@ def gather_ragged(field: Field, index: np.ndarray, heap: Heap, rows: np.ndarray,
     shapes = np.where(use[:, None], shapes, 0)
     counts = shapes[:, 0] if shapes.shape[1] == 1 else np.prod(shapes, axis=1)
     total = int(counts.sum())
-    elements = buf[:len(buf) - len(buf) % itemsize].view(field.np_dtype)
+    elements = buf[:len(buf) - len(buf) % itemsize].view(dtype)
     first = np.where(use, offsets // itemsize, 0)
     if total == 0:
-        flat = np.empty(0, field.np_dtype)
+        flat = np.empty(0, dtype)
     elif total * itemsize <= _SLICE_BYTES * max(1, int(use.sum())):
         starts = np.cumsum(counts) - counts
         flat = elements[np.repeat(first - starts, counts) + np.arange(total)]
     else:
         flat = np.concatenate([elements[a:a + c] for a, c in zip(first.tolist(), counts.tolist()) if c])
     return RaggedColumn(flat, counts, shapes, valid | ~readable)
+
+
+def _gather_ones(field: Field, index: np.ndarray, rows: np.ndarray, readable: np.ndarray) -> RaggedColumn:
+    entries = index[rows]
+    shapes = entries[:, 2:]
+    valid = (entries[:, 0] == 0) & (entries[:, 1] == 0) & (shapes >= 0).all(axis=1) & shapeable(shapes, 1)
+    shapes = np.where((readable & valid)[:, None], shapes, 0)
+    counts = shapes[:, 0] if shapes.shape[1] == 1 else np.prod(shapes, axis=1)
+    return RaggedColumn(np.ones(int(counts.sum()), field.np_dtype), counts, shapes, valid | ~readable)
 
 
 def torch_target(field: Field) -> Any:
@@ -201,10 +230,12 @@ def ragged_splitter(field: Field, path: str = "PATH") -> Callable[[RaggedColumn]
 
         target = torch_target(field)
 
+        narrowed = field.stored is not None
+
         def split_tensors(column: RaggedColumn) -> list[Any]:
             flat = torch.from_numpy(column.flat)
             if flat.dtype != target:
-                flat = flat.view(target)
+                flat = flat.to(target) if narrowed else flat.view(target)
             parts = list(flat.split(column.counts.tolist()))
             if column.shapes.shape[1] != 1:
                 parts = [p.view(shape) for p, shape in zip(parts, column.shapes.tolist())]

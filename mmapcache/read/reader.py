@@ -45,6 +45,7 @@ from .gather import take
 from .ragged import (
     Torn,
     gather_ragged,
+    ones_reader,
     ragged_reader,
     ragged_splitter,
     str_reader,
@@ -92,7 +93,8 @@ class RowReader:
         # Closures over the maps, never over self: a cycle through self would keep the maps (and the file
         # system) busy after close until the garbage collector ran.
         self._raw_readers = [
-            ragged_reader(index, heap, f.np_dtype) if heap is not None and index is not None
+            (ones_reader(index, f.np_dtype) if f.ones else ragged_reader(index, heap, f.storage_dtype))
+            if heap is not None and index is not None
             else _raw_reader(data, shapes)
             for f, data, shapes, index, heap in zip(self.fields, self.data, self.shapes, store.index, store.heaps)
         ]
@@ -117,7 +119,9 @@ class RowReader:
             index = self.store.index[n]
             if field.kind == STR:
                 return str_reader(index, heap)  # type: ignore[arg-type]
-            raw, convert = ragged_reader(index, heap, field.np_dtype), leaf_converter(field)  # type: ignore[arg-type]
+            raw = ones_reader(index, field.np_dtype) if field.ones else ragged_reader(  # type: ignore[arg-type]
+                index, heap, field.storage_dtype)  # type: ignore[arg-type]
+            convert = leaf_converter(field)
             return lambda row: convert(raw(row))
         if field.kind in (INT, FLOAT, BOOL):
             return data.item  # Python int/float/bool straight from the buffer

@@ -208,13 +208,21 @@ class TextCollate:
             field, heap, index = fields[k], store.heaps[k], store.index[k]
             entries = index[rows]
             offsets, lengths = entries[:, 0], entries[:, 2]
-            itemsize = field.np_dtype.itemsize
+            if field.ones:  # (only its lengths are stored: each value is the first of a row of ones)
+                if len(rows) and (int(lengths.min()) < 0 or entries[:, :2].any()):
+                    return None
+                longest = int(lengths.max()) if len(rows) else 0
+                values[name] = (np.ones(longest, field.np_dtype), lengths, _target(field),  # type: ignore[assignment]
+                                np.zeros(len(rows), np.int64))
+                continue
+            stored = field.storage_dtype
+            itemsize = stored.itemsize
             end = int((offsets + lengths * itemsize).max()) if len(rows) else 0
             buf = heap.buf if end <= heap.size else heap.covering(end)
             if len(rows) and (int(offsets.min()) < 0 or int(lengths.min()) < 0 or end > len(buf) or (
                     offsets % itemsize).any()):
                 return None  # (damage: the checked path finds it and says so)
-            elements = buf[:len(buf) - len(buf) % itemsize].view(field.np_dtype)
+            elements = buf[:len(buf) - len(buf) % itemsize].view(stored)
             values[name] = (elements, lengths, _target(field), offsets // itemsize)  # type: ignore[assignment]
         rest: dict[str, Any] = {}
         for k, field in enumerate(fields):
@@ -322,12 +330,10 @@ def _torch_dtype(value: Any, flat: np.ndarray) -> torch.dtype:
 
 
 def _target(field: Any) -> torch.dtype:
-    """The torch dtype a field's values are served as (the source's)."""
-    served = getattr(field, "served_dtype", None)
-    dtype = np.dtype(served) if served is not None else field.np_dtype
-    if field.torch_dtype is not None and served is None:
+    """The torch dtype a field's values are served as (the source's, also where they are stored narrower)."""
+    if field.torch_dtype is not None:
         return getattr(torch, field.torch_dtype)
-    return torch.from_numpy(np.zeros(0, dtype)).dtype
+    return torch.from_numpy(np.zeros(0, field.np_dtype)).dtype
 
 
 def _mask(lengths: np.ndarray, width: int, dtype: torch.dtype) -> torch.Tensor:

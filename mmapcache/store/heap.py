@@ -406,7 +406,8 @@ class Heap:
 
     def write(self, offset: int, value: np.ndarray) -> None:
         """Copies a value's bytes to ``offset`` with ``pwrite`` (the kernel copies into the shared pages)."""
-        self._pwrite(offset, np.ascontiguousarray(value))
+        if value.nbytes:
+            self._pwrite(offset, np.ascontiguousarray(value))
 
     def write_packed(self, offset: int, values: list[np.ndarray]) -> None:
         """Copies C-contiguous values' bytes back to back from ``offset``: one ``pwritev`` for up to ``IOV_MAX`` of

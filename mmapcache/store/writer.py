@@ -44,6 +44,9 @@ class RowWriter:
             data is not None and shapes is None and (fd < 0 or data.ndim == 1 or row_bytes < _PAGE_BYTES)
             for data, shapes, fd, row_bytes in zip(self.data, self.shapes, store.data_fds, self._row_bytes))
         self._warned: set[str] = set()
+        # A ragged value as its heap holds it: narrower where the field is stored so (checked to fit before it
+        # comes here: format.check.narrow_problem), and for a field of ones no bytes at all, only its shape.
+        self._stored = {n: _storer(f) for n, f in enumerate(self.fields) if f.stored is not None or f.ones}
         # Rows whose values no reader will read again (a stream's ring: the positions every reader has passed), asked
         # under the writer lock when a value finds no heap room: their extents are given back first (``_room``).
         self.passed: Callable[[], np.ndarray] | None = None
@@ -127,9 +130,12 @@ class RowWriter:
             if int(heap.counters[FREE]):
                 raise Declined
             values = [np.ascontiguousarray(sample[n]) for sample in samples]
+            if n in self._stored:
+                values = [self._stored[n](v) for v in values]
             itemsize = values[0].itemsize if values else 1
             if any(v.itemsize != itemsize for v in values):
                 raise Declined
+            itemsize = max(itemsize, 1)  # (a field of ones stores no bytes: values of itemsize 0)
             sizes = np.fromiter((v.nbytes for v in values), np.int64, len(values))
             start = -(-int(heap.counters[END]) // itemsize) * itemsize  # every value a multiple: all stay aligned
             entries = np.empty((len(values), index.shape[1]), np.int64)
@@ -164,6 +170,8 @@ class RowWriter:
         try:
             for n in self.ragged:
                 value = np.ascontiguousarray(values[n])
+                if n in self._stored:
+                    value = self._stored[n](value)
                 index, heap = store.index[n], store.heaps[n]
                 assert index is not None and heap is not None  # a ragged field has both (see Store)
                 # Damage (counters, or an index row, that describe bytes outside the heap) is refused here, before
@@ -171,18 +179,19 @@ class RowWriter:
                 heap.check_counters()
                 old_offset, old_capacity = (int(index[row, 0]), int(index[row, 1])) if owned else (0, 0)
                 if owned:
-                    heap.check_extent(old_offset, old_capacity, value.itemsize, row)
+                    heap.check_extent(old_offset, old_capacity, max(value.itemsize, 1), row)
                 if owned and value.nbytes <= old_capacity:
                     # In place, keeping the row's room; but a value that uses under half of it moves to a free
                     # extent that fits, if there is one, so large extents circulate to the rows that grow.
-                    smaller = heap.reuse(value.nbytes, value.itemsize) if 2 * value.nbytes < old_capacity else None
+                    smaller = heap.reuse(value.nbytes, max(value.itemsize, 1)) if 2 * value.nbytes < old_capacity \
+                        else None
                     if smaller is None:
                         plan.append((n, heap, old_offset, old_capacity, value, (0, 0)))
                         continue
                     taken.append((heap, *smaller))
                     plan.append((n, heap, *smaller, value, (old_offset, old_capacity)))
                     continue
-                room = heap.allocate(value.nbytes, value.itemsize,
+                room = heap.allocate(value.nbytes, max(value.itemsize, 1),
                                      budget_left(store.heap_counters, store.heap_budget), exact=old_capacity == 0)
                 if room is None:
                     room = self._room(n, value, (old_offset, old_capacity))
@@ -220,13 +229,13 @@ class RowWriter:
                 other, extents = store.heaps[m], store.index[m]
                 assert other is not None and extents is not None
                 for row, (offset, capacity) in zip(passed.tolist(), extents[passed, :2].tolist()):
-                    other.check_extent(offset, capacity, self.fields[m].np_dtype.itemsize, row)
+                    other.check_extent(offset, capacity, max(self.fields[m].value_itemsize, 1), row)
             store.state.empty_locked(passed, self._give_back)
         if not heap.worth_sweeping(value.nbytes):
             return None
         owned = np.flatnonzero(store.state.owned_mask())
         heap.sweep(np.concatenate((index[owned, :2], np.array([kept], np.int64))))
-        return heap.allocate(value.nbytes, value.itemsize, budget_left(store.heap_counters, store.heap_budget))
+        return heap.allocate(value.nbytes, max(value.itemsize, 1), budget_left(store.heap_counters, store.heap_budget))
 
     def _give_back(self, rows: np.ndarray) -> None:
         """Frees the heap extents of ``rows`` (being emptied: ``SlotState.empty_locked``)."""
@@ -263,6 +272,18 @@ class RowWriter:
                     "`mmapcache inspect` counts them). Give the cache a larger max_bytes, or free space")
         warn(what, UncachedFieldWarning)
 
+
+
+# A value of no bytes that keeps its shape (what a field of ones stores: its index row records the shape).
+_NOTHING = np.dtype([])
+
+
+def _storer(field: Field) -> Callable[[np.ndarray], np.ndarray]:
+    """How a checked value of ``field`` is stored: converted to its narrower type, or (ones) its shape alone."""
+    if field.ones:
+        return lambda value: np.empty(value.shape, _NOTHING)
+    stored = field.storage_dtype
+    return lambda value: value.astype(stored, copy=False)
 
 
 def _pwrite_all(fd: int, value: np.ndarray, offset: int) -> None:
