@@ -186,6 +186,10 @@ def test_a_lightning_job_resumed_from_a_step_checkpoint_trains_on_the_uninterrup
     # Resumed from step 3 (mid epoch 0) with 2 workers per rank, from step 6 (epoch 0's last step: the loader's
     # state says its pass ended) and from step 9 (mid epoch 1): three jobs, one after the other in one new process,
     # each a new Trainer on new caches. Each trains from its step on what the uninterrupted job did, batch for batch.
+    # (On the same 2 devices: Lightning's own batch counters are not elastic. It continues the restored batch index
+    # and ends an epoch when that index reaches the new len(loader), so a checkpoint of 1 device resumed mid-epoch on
+    # 2 trains part of the epoch's rest, and one of 2 devices taken on an epoch's last step, resumed on 1, trains
+    # half of the next epoch; the loader yields the whole rest either way.)
     reference = {(r["rank"], r["epoch"], r["batch"]): r["indices"] for r in trained}
     resumes = {step: (str(tmp_path / f"from{step}"), workers) for step, workers in ((3, 2), (6, 0), (9, 0))}
     fit(*((out, os.path.join(shm_dir, f"from{step}"), *LIGHTNING, "--workers", str(workers), "--resume",
