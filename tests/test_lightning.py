@@ -9,11 +9,8 @@ data, a quarter of it on both ranks. Each job runs ``helpers/lightning_script.py
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,34 +18,19 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.lightning_jobs import fit
+from helpers.lightning_jobs import records as _records
 from helpers.once import once_per_run
 from helpers.sources import ImageLabels
-from helpers.torchrun import TESTS
 from mmapcache import MmapCachedDataset
 
-SCRIPT = os.path.join(TESTS, "helpers", "lightning_script.py")
 N = 96  # 6 batches of 8 per rank and epoch
 ONE = ("--devices", "1", "--strategy", "auto", "--epochs", "3")  # one device, no seed
 
 
 def _fit(*jobs: tuple[str, ...]) -> None:
-    """Runs the jobs ``(out, cache, *options)`` one after the other in one new process (``lightning_script.py``)."""
-    argv: list[str] = []
-    for out, cache, *args in jobs:
-        os.makedirs(out, exist_ok=True)
-        argv += ["--next"] * bool(argv) + [out, cache, "--n", str(N), *args]
-    env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, SCRIPT, *argv], env=env, capture_output=True, text=True, timeout=300,
-                          start_new_session=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-
-
-def _records(out: str, ranks: int = 2) -> list[dict[str, Any]]:
-    records = []
-    for rank in range(ranks):
-        with open(os.path.join(out, f"rank{rank}.jsonl")) as f:
-            records += [json.loads(line) for line in f]
-    return records
+    """Runs the jobs ``(out, cache, *options)``, each over ``N`` samples, one after the other in one new process."""
+    fit(*((out, cache, "--n", str(N), *args) for out, cache, *args in jobs))
 
 
 def _covered_once(records: list[dict[str, Any]], out: str, epochs: int) -> None:
