@@ -34,6 +34,7 @@ from benchmark.groups import (
     fixed,
     lock,
     memory,
+    mixture,
     nodeshare,
     stocaching,
     stream,
@@ -58,6 +59,7 @@ GROUPS: dict[str, Callable[[Config, Results], None]] = {
     "dict": functools.partial(fixed.run_fixed, DICT),
     "tokens": tokens.run_tokens,
     "captions": captions.run_captions,
+    "mixture": mixture.run_mixture,  # several caches read as one weighted mixture (issue 39)
     "text": text.run_text,  # LLM-shaped samples against what LLM users read them with (issue 40)
     # stream mode (issue 12) and node shares (issue 13)
     "stream": stream.run_stream,

@@ -43,6 +43,12 @@ TARGETS: dict[str, Target] = {
     "tokens.heap_bytes": Target(
         "tokens", "token ids: heap end + index bytes vs values + index bytes", "<=", 1.15),
     "captions.getitem_vs_list": Target("captions", "str captions: ds[i] vs list[i]", ">=", 1.0),
+    # mixtures (issue 39): 3 caches of one structure (sizes 4:2:1) read by one Mixture's loader, default weights
+    **{f"mixture.{name}_vs_one": Target(
+        "mixture", f"{title}, 3 caches: Mixture.loader vs one cache's ds.loader, same rows", ">=", 0.9)
+       for name, title in (("rows64", "64 B rows"), ("images12k", "12 KB images"), ("tokens", "ragged tokens"))},
+    "mixture.rows64_vs_concat": Target(
+        "mixture", "64 B rows, 3 caches: Mixture.loader vs ConcatDataset+WeightedRandomSampler", ">=", 5.0),
     # issue 12: stream mode, a trainer with a fixed step time, two producers, a ring of a quarter of the dataset
     "stream.wait": Target("stream", "stream: trainer's time waiting for batches / epoch time (worst epoch)", "<=",
                           0.05),
