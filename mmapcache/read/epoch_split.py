@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-__all__ = ["blocks", "consumed", "interleaved", "padded_rest"]
+__all__ = ["block_spans", "blocks", "consumed", "interleaved", "padded_rest"]
 
 
 def padded_rest(order: np.ndarray, offset: int, world: int, total: int | None = None) -> np.ndarray:
@@ -53,12 +53,18 @@ def blocks(order: np.ndarray, offset: int, rank: int, world: int, batch: int, dr
     """Rank ``rank`` of ``world``'s batches of ``order[offset:]`` in the block layout (see the module docstring),
     padded as ``padded_rest`` pads; the short last one left out with ``drop_last``."""
     padded = padded_rest(order, offset, world, total)
-    per_rank = len(padded) // world
+    return [padded[a:b] for a, b in block_spans(len(padded), rank, world, batch, drop_last)]
+
+
+def block_spans(padded: int, rank: int, world: int, batch: int, drop_last: bool) -> list[tuple[int, int]]:
+    """``blocks``' batches as ``(start, stop)`` of the padded rest (of ``padded`` positions, a multiple of
+    ``world``): what a reader that needs no arrays of positions reads (a mixture's whole units)."""
+    per_rank = padded // world
     whole, tail = divmod(per_rank, batch)
-    out = [padded[(b * world + rank) * batch:(b * world + rank + 1) * batch] for b in range(whole)]
+    out = [((b * world + rank) * batch, (b * world + rank + 1) * batch) for b in range(whole)]
     if tail and not drop_last:
         start = whole * world * batch + rank * tail
-        out.append(padded[start:start + tail])
+        out.append((start, start + tail))
     return out
 
 

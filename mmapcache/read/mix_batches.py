@@ -128,15 +128,45 @@ class MixedReads(Dataset):
 
     def __getitem__(self, key: tuple[int, np.ndarray, tuple[int, ...]]) -> Any:
         epoch, indices, bounds = key
-        parts = [(s, bounds[s], bounds[s + 1]) for s in range(len(self.sources)) if bounds[s + 1] > bounds[s]]
-        if self.batched:
+        if self._pid != os.getpid():
+            self._prepare()
+        batch = self._warm_batch(epoch, indices, bounds) if self._all_warm else None
+        if batch is not None:
+            pass
+        elif self.batched:
+            parts = [(s, bounds[s], bounds[s + 1]) for s in range(len(self.sources)) if bounds[s + 1] > bounds[s]]
             batch = self._gathered(epoch, indices, parts)
         else:
-            samples = [x for s, a, b in parts for x in self.sources[s].__getitems__(indices[a:b].tolist())]
+            samples = [x for s in range(len(self.sources))
+                       for x in self.sources[s].__getitems__(indices[bounds[s]:bounds[s + 1]].tolist())]
             batch = (self.collate or self.pad or default_collate)(samples)
         if not self.return_source:
             return batch
         return batch, torch.from_numpy(np.repeat(np.arange(len(self.sources)), np.diff(bounds)))
+
+    def _warm_batch(self, epoch: int, indices: np.ndarray, bounds: tuple[int, ...]) -> Any:
+        """``_gathered`` where every source is a cache of fixed fields this process reads as it is (``_prepare``):
+        each part copied straight into the batch's arrays; None where a part is not complete or a writer changed a
+        source meanwhile (the caller then gathers with the checks). The loop of a small-row batch: kept lean."""
+        n = len(indices)
+        alloc = self._alloc
+        out = [alloc((n, *shape), dtype) for shape, dtype in zip(self.shapes, self.dtypes)]
+        a = bounds[0]
+        for s, warm in enumerate(self._warm):
+            b = bounds[s + 1]
+            if b == a:
+                continue
+            state, rowmap, data = warm  # type: ignore[misc]
+            rows = indices[a:b] if rowmap is None else rowmap.rows_of(indices[a:b], epoch)
+            counter = state.all_complete()
+            if counter < 0 or (rowmap is not None and not rowmap.total and int(rows.min()) < 0):
+                return None
+            for target, field in zip(out, data):
+                field.take(rows, 0, target[a:b], "clip")
+            if state.changes[0] != counter:
+                return None
+            a = b
+        return self._collate(out, self.pad)
 
     def _gathered(self, epoch: int, indices: np.ndarray, parts: list[tuple[int, int, int]]) -> Any:
         """Every source's part gathered into the batch's arrays (fixed fields) or joined (ragged ones). A source
@@ -144,8 +174,6 @@ class MixedReads(Dataset):
         part asks for is complete and no writer changed the cache meanwhile (its cache-wide counter, as
         ``RowReader.gather``'s warm path checks); any other part (a miss, a partial cache's uncached index, a
         ragged field) through the source's checked gather."""
-        if self._pid != os.getpid():
-            self._prepare()
         n = len(indices)
         alloc = self._alloc
         out = [None if ragged else alloc((n, *shape), dtype)
@@ -183,13 +211,15 @@ class MixedReads(Dataset):
                 continue
             identity = rows.total and rows.variants == 1 and rows.slot_index is None
             self._warm.append((reader.state, None if identity else rows, list(reader.data)))
+        self._all_warm = self.batched and all(warm is not None for warm in self._warm)
         self._collate = self.sources[self.main]._ensure_open().collate
         self._alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else buffers.empty
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         # The sources pickle as their paths; this process's maps stay here (a worker prepares its own).
-        return {k: v for k, v in self.__dict__.items() if k not in ("_warm", "_collate", "_alloc")} | {"_pid": -1}
+        kept = {k: v for k, v in self.__dict__.items() if k not in ("_warm", "_collate", "_alloc", "_all_warm")}
+        return kept | {"_pid": -1}
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.sources)

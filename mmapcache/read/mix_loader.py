@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..store.share import Share, job_rank_and_size, local_rank_and_size
-from .epoch_split import blocks
+from .epoch_split import block_spans
 from .loader import _Pass
 from .mix_order import EpochPlan, grouped, plan
 
@@ -193,31 +193,45 @@ class MixtureOrder(DistributedSampler):
         """The pass's order of flat ids (this node's, with node shares)."""
         return self.plan(drawn).order()
 
-    def positions(self, drawn: MixPass, base: int = 0) -> list[np.ndarray]:
-        """This rank's batches of the pass from position ``base`` of its order on, as positions of the order (those
-        past its end: the padding, from its start)."""
+    def spans(self, drawn: MixPass, base: int = 0) -> list[tuple[int, int]]:
+        """This rank's batches of the pass from position ``base`` of its order on (``read.epoch_split.blocks``), as
+        ``(start, stop)`` of the order's rest from ``base``, padded (positions past the rest: the padding, which
+        repeats the order from its start)."""
         rank, world = self.placement()
-        total = self.plan(drawn).total
-        padded = None
+        rest = max(0, self.plan(drawn).total - base)
+        padded = math.ceil(rest / world) * world
         if self.mixture.shares is not None:  # every rank of every node the job's number of steps
             padded = max(0, self.per_rank(drawn.counts) * world - base)
-        return blocks(np.arange(total, dtype=np.int64), base, rank, world, self.batch_size, self.drop_last, padded)
+        return block_spans(padded, rank, world, self.batch_size, self.drop_last)
+
+    def positions(self, drawn: MixPass, base: int = 0) -> list[np.ndarray]:
+        """This rank's batches of the pass from position ``base`` of its order on, as positions of the order."""
+        rest = max(0, self.plan(drawn).total - base)
+        return [self._positions(a, b, base, rest, self.plan(drawn).total) for a, b in self.spans(drawn, base)]
+
+    @staticmethod
+    def _positions(a: int, b: int, base: int, rest: int, total: int) -> np.ndarray:
+        padded = np.arange(a, b, dtype=np.int64)
+        return np.where(padded < rest, base + padded, (padded - rest) % max(total, 1))
 
     def batches(self, drawn: MixPass, base: int = 0) -> list[np.ndarray]:
         """This rank's batches of the pass from position ``base`` on, as flat ids."""
         made = self.plan(drawn)
         return [made.at(p) for p in self.positions(drawn, base)]
 
-    def keys(self, drawn: MixPass, positions: list[np.ndarray]) -> Iterator[tuple[np.ndarray, tuple[int, ...]]]:
+    def keys(self, drawn: MixPass, spans: list[tuple[int, int]], base: int) -> Iterator[tuple[np.ndarray,
+                                                                                              tuple[int, ...]]]:
         """Each batch as it is read (``(indices, bounds)``, grouped by source): a whole unit of the plan as it
         holds it; any other (the padded tail, a resume on other ranks or batch sizes) grouped from its flat ids."""
         made, starts, unit = self.plan(drawn), self.mixture.starts, drawn.unit
-        for p in positions:
-            first = int(p[0]) if len(p) else 0
-            if len(p) == unit and first % unit == 0 and int(p[-1]) == first + unit - 1 < made.total:
-                yield made.unit_batch(first // unit)
+        total = made.total
+        rest = max(0, total - base)
+        for a, b in spans:
+            start, stop = base + a, base + b
+            if b <= rest and start % unit == 0 and stop == min(start + unit, total):
+                yield made.unit_batch(start // unit)
             else:
-                yield grouped([made.at(p)], starts)[0]
+                yield grouped([made.at(self._positions(a, b, base, rest, total))], starts)[0]
 
     def __iter__(self) -> Iterator[tuple[int, np.ndarray, tuple[int, ...]]]:
         resume, self.resume = self.resume, None
@@ -227,9 +241,9 @@ class MixtureOrder(DistributedSampler):
         else:
             drawn, base, ended = self.next_pass(), 0, False
         self.record(drawn)
-        positions = [] if ended else self.positions(drawn, base)
-        self.started, self.base, self.pass_batches = drawn, base, len(positions)
-        for indices, bounds in self.keys(drawn, positions):
+        spans = [] if ended else self.spans(drawn, base)
+        self.started, self.base, self.pass_batches = drawn, base, len(spans)
+        for indices, bounds in self.keys(drawn, spans, base):
             yield drawn.epoch, indices, bounds
 
 

@@ -58,7 +58,7 @@ def draw(length: int, count: int, seed: int, epoch: int, repeat: int, source: in
         parts.append(rng.choice(length, size=rest, replace=False))
     elif rest:
         parts.append(torch.randperm(length, generator=generator).numpy()[:rest])
-    return np.concatenate(parts).astype(np.int64, copy=False)
+    return (parts[0] if len(parts) == 1 else np.concatenate(parts)).astype(np.int64, copy=False)
 
 
 def _generator(*words: int) -> torch.Generator:
@@ -71,39 +71,49 @@ def _generator(*words: int) -> torch.Generator:
 
 
 class EpochPlan:
-    """One pass's order of a mixture: each source's sequence of flat ids (``drawn[s]``, in the order it is used) and
-    each unit's composition (see the module docstring). A unit is read without building the order."""
+    """One pass's order of a mixture: each unit's composition (see the module docstring) and the order itself, held
+    as each source's index in that source (``local``: unit after unit, each grouped by source), so that a unit is a
+    slice of it, read without building anything.
+
+    Args:
+        drawn: each source's sequence of its indices, in the order it is used.
+        composition: ``(units, sources)`` counts.
+        unit: positions per unit (the last one may be shorter).
+        starts: each source's first flat id.
+    """
 
     def __init__(self, drawn: list[np.ndarray], composition: np.ndarray, unit: int, starts: np.ndarray) -> None:
-        self.drawn, self.composition, self.unit = drawn, composition, unit
+        self.composition, self.unit, self.starts = composition, unit, starts
         self.total = int(composition.sum())
-        # Where each unit's samples of each source start in that source's sequence.
-        self.used = np.cumsum(composition, axis=0) - composition
-        self.bounds = np.zeros((len(composition), composition.shape[1] + 1), np.int64)
+        units = len(composition)
+        # bounds[j, s]: where source s's part of unit j starts in the unit (bounds[j, -1]: the unit's size).
+        self.bounds = np.zeros((units, composition.shape[1] + 1), np.int64)
         np.cumsum(composition, axis=1, out=self.bounds[:, 1:])
-        # For unit_batch, once: each source's sequence as indices in the source, and each unit's slices of them.
-        self._local = [d - start for d, start in zip(drawn, starts.tolist())]
-        self._slices = [[(u, u + c) for u, c in zip(used, counts) if c] for used, counts in zip(
-            self.used.tolist(), composition.tolist())]
-        self._sources = [[s for s, c in enumerate(counts) if c] for counts in composition.tolist()]
+        self.unit_starts = np.zeros(units + 1, np.int64)
+        np.cumsum(self.bounds[:, -1], out=self.unit_starts[1:])
+        # The k-th of source s's sequence goes to position k + (its unit's start + its part's start there - the
+        # samples of s in the units before): one repeat and one scatter per source.
+        # (In place, one temporary array at a time: fresh memory is what a plan of many samples spends most on.)
+        used = np.cumsum(composition, axis=0) - composition
+        self.local = np.empty(self.total, np.int64)
+        steps = np.arange(max((len(d) for d in drawn), default=0), dtype=np.int64)
+        for s, sequence in enumerate(drawn):
+            positions = np.repeat(self.unit_starts[:-1] + self.bounds[:, s] - used[:, s], composition[:, s])
+            positions += steps[:len(sequence)]
+            self.local[positions] = sequence
         self._bounds = [tuple(b) for b in self.bounds.tolist()]
 
     def unit_batch(self, j: int) -> tuple[np.ndarray, tuple[int, ...]]:
         """Unit ``j`` as a batch is read (``grouped``'s form): its indices in their sources, grouped by source, and
         the bounds of each source's."""
-        local = self._local
-        parts = [local[s][a:b] for s, (a, b) in zip(self._sources[j], self._slices[j])]
-        return (np.concatenate(parts) if len(parts) != 1 else parts[0]), self._bounds[j]
+        return self.local[self.unit_starts[j]:self.unit_starts[j + 1]], self._bounds[j]
 
     def at(self, positions: np.ndarray) -> np.ndarray:
         """The flat ids at ``positions`` (int64, in ``[0, total)``) of the order."""
-        j, offset = np.divmod(positions, self.unit)
-        bounds = self.bounds[j]
-        source = (offset[:, None] >= bounds[:, 1:-1]).sum(axis=1)
-        k = self.used[j, source] + offset - bounds[np.arange(len(j)), source]
-        flat = np.concatenate(self.drawn)
-        firsts = np.cumsum([0] + [len(d) for d in self.drawn[:-1]])
-        return flat[firsts[source] + k]
+        j = np.searchsorted(self.unit_starts, positions, side="right") - 1
+        offset = positions - self.unit_starts[j]
+        source = (offset[:, None] >= self.bounds[j, 1:-1]).sum(axis=1)
+        return self.local[positions] + self.starts[source]
 
     def order(self) -> np.ndarray:
         """The whole order of flat ids (each unit's, in turn)."""
@@ -121,7 +131,7 @@ def plan(lengths: Sequence[int], given: Sequence[int], seed: int, epoch: int, re
     for s, count in enumerate(counts.tolist()):
         pool = None if pools is None else pools[s]
         picked = draw(len(pool) if pool is not None else int(lengths[s]), count, seed, epoch, repeat, s)
-        drawn.append(starts[s] + (picked if pool is None else pool[picked]))
+        drawn.append(picked if pool is None else pool[picked])
     total = int(counts.sum())
     sizes = np.full(-(-total // unit), unit, np.int64)
     if len(sizes):
