@@ -375,9 +375,9 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         reader = self._ensure_open()
         idx = np.asarray(indices) if trusted else check_indices(indices, self._length, self._where())
         epoch = self._epoch_view[0] if epoch is None else epoch
-        if getattr(pad, "read_rows", None) is not None and not self._rows.keyed:  # a TextCollate: from the heaps
+        if getattr(pad, "read_parts", None) is not None and not self._rows.keyed:  # straight from the heaps
             rows = self._rows.rows_of(idx, epoch)
-            batch = pad.read_rows(reader, rows) if self._rows.total or int(rows.min(initial=0)) >= 0 else None
+            batch = pad.read_parts([(reader, rows)]) if self._rows.total or int(rows.min(initial=0)) >= 0 else None
             if batch is not None:
                 return batch
         alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty

@@ -119,6 +119,50 @@ class PadCollate:
         return Padded(tensor, lengths, mask)
 
 
+    # --- straight from caches' maps -------------------------------------------------------------------------------
+
+    def read_parts(self, parts: list[tuple[Any, np.ndarray]]) -> Any:
+        """The batch of the cache rows of ``parts`` (``(RowReader, rows)``: one cache's, or a mixture's sources' in
+        turn) as the checked path collates it, each padded 1-D field copied once, straight from the heaps into
+        ``data`` (``read.heap_batch``); None where a row is not complete, a writer changed a cache meanwhile, or a
+        padded field has values of more dimensions (the caller gathers with the checks and collates)."""
+        from ..format.layout import JSON, TEXT_KINDS
+        from .heap_batch import WarmRows
+
+        warm = WarmRows(parts)
+        if not warm.begin():
+            return None
+        leaves: list[Any] = []
+        for k, field in enumerate(warm.fields):
+            if field.kind == JSON:
+                leaves.append(None)  # a tensor subclass's attributes: default_collate's stack drops them too
+                continue
+            if field.ragged and field.kind not in TEXT_KINDS and (self.fields is None or field.name in self.fields):
+                located = warm.located(k) if warm.paddable(k) else None
+                leaf = None if located is None else self._padded(field, located)
+            else:
+                leaf = warm.other(k)
+            if leaf is None:
+                return None
+            leaves.append(leaf)
+        batch = warm.reader.build_batch(leaves)
+        return batch if warm.unchanged() else None
+
+    def _padded(self, field: Any, located: Any) -> Padded:
+        """A field's located values padded as ``pad`` pads them."""
+        from .heap_batch import mask_of, padded_tensor
+        from .ragged import torch_target
+
+        target = torch_target(field) or torch.from_numpy(np.zeros(0, field.np_dtype)).dtype
+        if target == torch.from_numpy(np.zeros(0, field.np_dtype)).dtype:
+            _check_pad_value(self.pad_value, field.np_dtype)  # (a dtype numpy lacks takes any number's bits)
+        lengths = located.lengths
+        width = int(lengths.max()) if len(lengths) else 0
+        data = padded_tensor(located, self.pad_value, target, width)
+        mask = mask_of(lengths, width, torch.bool) if self.mask else None
+        return Padded(data, torch.from_numpy(lengths.copy()), mask)
+
+
 def pad_flat(flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, pad_value: Any) -> np.ndarray:
     """A ``(B, *max_shape)`` array of the values given back to back, padded with ``pad_value``.
 

@@ -27,6 +27,7 @@ from ..errors import LayoutError
 from ..format.layout import Layout
 from .collate import PadCollate
 from .gather import alloc_shared, buffers
+from .heap_batch import same_storage
 from .ragged import RaggedColumn
 
 __all__ = ["MixedReads", "merged_layout"]
@@ -131,6 +132,8 @@ class MixedReads(Dataset):
         if self._pid != os.getpid():
             self._prepare()
         batch = self._warm_batch(epoch, indices, bounds) if self._all_warm else None
+        if batch is None and self._direct is not None:
+            batch = self._from_heaps(epoch, indices, bounds)
         if batch is not None:
             pass
         elif self.batched:
@@ -167,6 +170,21 @@ class MixedReads(Dataset):
                 return None
             a = b
         return self._collate(out, self.pad)
+
+    def _from_heaps(self, epoch: int, indices: np.ndarray, bounds: tuple[int, ...]) -> Any:
+        """The batch read by its ``PadCollate``/``TextCollate`` straight from the sources' maps, every part at once
+        (``read.heap_batch``): each token copied once, into the padded tensors; None where a part is not complete
+        or a writer changed a source meanwhile (the caller gathers with the checks)."""
+        parts = []
+        for s, (reader, rowmap) in enumerate(self._direct):  # type: ignore[arg-type]
+            a, b = bounds[s], bounds[s + 1]
+            if a == b:
+                continue
+            rows = indices[a:b] if rowmap is None else rowmap.rows_of(indices[a:b], epoch)
+            if rowmap is not None and not rowmap.total and int(rows.min()) < 0:
+                return None  # (an index a partial cache does not hold: the checked gather computes it)
+            parts.append((reader, rows))
+        return self.pad.read_parts(parts) if parts else None  # type: ignore[union-attr]
 
     def _gathered(self, epoch: int, indices: np.ndarray, parts: list[tuple[int, int, int]]) -> Any:
         """Every source's part gathered into the batch's arrays (fixed fields) or joined (ragged ones). A source
@@ -212,13 +230,25 @@ class MixedReads(Dataset):
             identity = rows.total and rows.variants == 1 and rows.slot_index is None
             self._warm.append((reader.state, None if identity else rows, list(reader.data)))
         self._all_warm = self.batched and all(warm is not None for warm in self._warm)
+        # Where the batch's PadCollate/TextCollate reads the sources' maps itself: each source's reader and row
+        # map (None where rows are indices); None if a source's rows change meaning (a rotating share).
+        self._direct: list[tuple[Any, Any]] | None = None
+        readers = [source._ensure_open() for source in self.sources]
+        if self.batched and self.pad is not None and same_storage(readers) and not any(
+                source._rows.keyed for source in self.sources):
+            self._direct = []
+            for source, reader in zip(self.sources, readers):
+                rows = source._rows
+                identity = rows.total and rows.variants == 1 and rows.slot_index is None
+                self._direct.append((reader, None if identity else rows))
         self._collate = self.sources[self.main]._ensure_open().collate
         self._alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else buffers.empty
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         # The sources pickle as their paths; this process's maps stay here (a worker prepares its own).
-        kept = {k: v for k, v in self.__dict__.items() if k not in ("_warm", "_collate", "_alloc", "_all_warm")}
+        kept = {k: v for k, v in self.__dict__.items() if k not in ("_warm", "_collate", "_alloc", "_all_warm",
+                                                                     "_direct")}
         return kept | {"_pid": -1}
 
     def __len__(self) -> int:

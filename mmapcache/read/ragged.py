@@ -154,12 +154,13 @@ def shapeable(shapes: np.ndarray, itemsize: int) -> np.ndarray:
 def gather_ragged(field: Field, index: np.ndarray, heap: Heap, rows: np.ndarray,
                    readable: np.ndarray) -> RaggedColumn:
     """The values of ``rows`` (where ``readable``) of a ragged field, copied out of its heap in one step (for a field
-    stored as ``"ones"``, made from the shapes alone). In the heap's dtype (``Field.storage_dtype``)."""
+    stored as ``"ones"``, made from the shapes alone), in the field's dtype: values stored narrower (``store_as``)
+    are widened, so that every consumer of a column (splitters, padding, a mixture's joins) sees one dtype."""
     if field.ones:
         return _gather_ones(field, index, rows, readable)
     dtype = field.storage_dtype
     itemsize = dtype.itemsize
-    entries = index[rows]
+    entries = index.take(rows, 0)  # (take: 3x the speed of indexing)
     offsets, capacities, shapes = entries[:, 0], entries[:, 1], entries[:, 2:]
     # Sizes in float64 first: a damaged (or torn) index row must not overflow int64 into a valid-looking extent.
     nbytes = np.prod(shapes, axis=1, dtype=np.float64) * itemsize
@@ -181,11 +182,13 @@ def gather_ragged(field: Field, index: np.ndarray, heap: Heap, rows: np.ndarray,
         flat = elements[np.repeat(first - starts, counts) + np.arange(total)]
     else:
         flat = np.concatenate([elements[a:a + c] for a, c in zip(first.tolist(), counts.tolist()) if c])
+    if field.stored is not None:
+        flat = flat.astype(field.np_dtype)
     return RaggedColumn(flat, counts, shapes, valid | ~readable)
 
 
 def _gather_ones(field: Field, index: np.ndarray, rows: np.ndarray, readable: np.ndarray) -> RaggedColumn:
-    entries = index[rows]
+    entries = index.take(rows, 0)
     shapes = entries[:, 2:]
     valid = (entries[:, 0] == 0) & (entries[:, 1] == 0) & (shapes >= 0).all(axis=1) & shapeable(shapes, 1)
     shapes = np.where((readable & valid)[:, None], shapes, 0)
@@ -230,12 +233,10 @@ def ragged_splitter(field: Field, path: str = "PATH") -> Callable[[RaggedColumn]
 
         target = torch_target(field)
 
-        narrowed = field.stored is not None
-
         def split_tensors(column: RaggedColumn) -> list[Any]:
             flat = torch.from_numpy(column.flat)
             if flat.dtype != target:
-                flat = flat.to(target) if narrowed else flat.view(target)
+                flat = flat.view(target)  # (a dtype numpy lacks: stored as the bits of its width)
             parts = list(flat.split(column.counts.tolist()))
             if column.shapes.shape[1] != 1:
                 parts = [p.view(shape) for p, shape in zip(parts, column.shapes.tolist())]

@@ -12,9 +12,9 @@ restarting at 0 with each sample, ``labels`` with ``ignore_index`` at each sampl
 boundaries ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32, ``B + 1``) and ``max_length_q``/``max_length_k``.
 
 Over any dataset it works as a ``collate_fn`` (from the samples). Given to ``ds.loader()`` (or a mixture's), a
-warm batch is copied straight from the cache's heaps into the padded (or flat) tensors, one copy per token
-(``read_rows``); values stored narrower than the source gave them (``store_as``) are widened by that copy. What it
-pads or flattens comes back in the source's dtype.
+warm batch is copied straight from the caches' heaps into the padded (or flat) tensors, one copy per token
+(``read_parts``, ``read.heap_batch``); values stored narrower than the source gave them (``store_as``) are widened
+by that copy. What it pads or flattens comes back in the source's dtype.
 """
 
 from __future__ import annotations
@@ -26,13 +26,10 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from .ragged import gather_ragged
+from .heap_batch import Located, WarmRows, bits_of, gathered, mask_of, padded_tensor
 
 __all__ = ["TextCollate"]
 
-# At or below this many elements per value on average, a batch is padded by one vectorised scatter; above, each
-# value is copied as a slice (a Python step per value, no index arrays as long as the batch's tokens).
-_SCATTER_BELOW = 24
 
 
 class TextCollate:
@@ -100,7 +97,7 @@ class TextCollate:
                             f"got {type(samples[0]).__name__ if samples else 'an empty batch'}")
         names = list(samples[0])
         padded = self._padded_names(names, lambda n: _varies([s[n] for s in samples]))
-        values: dict[str, tuple[np.ndarray, np.ndarray, torch.dtype]] = {}
+        values: dict[str, tuple[Located, torch.dtype]] = {}
         for name in padded:
             arrays = [_as_numpy(s[name]) for s in samples]
             if any(a.ndim != 1 for a in arrays):
@@ -108,7 +105,7 @@ class TextCollate:
                                  f"{next(a.shape for a in arrays if a.ndim != 1)}")
             lengths = np.array([len(a) for a in arrays], np.int64)
             flat = np.concatenate(arrays) if arrays else np.empty(0, np.int64)
-            values[name] = (flat, lengths, _torch_dtype(samples[0][name], flat))
+            values[name] = (_located(flat, lengths), _torch_dtype(samples[0][name], flat))
         rest = {n: default_collate([s[n] for s in samples]) for n in names if n not in values and not (
             n == self.attention_mask and padded)}
         return self._assemble(names, values, rest)
@@ -129,45 +126,41 @@ class TextCollate:
 
     # --- the batch ----------------------------------------------------------------------------------------------
 
-    def _assemble(self, names: list[str], values: dict[str, tuple[np.ndarray, np.ndarray, torch.dtype]],
+    def _assemble(self, names: list[str], values: dict[str, tuple[Located, torch.dtype]],
                   rest: dict[str, Any]) -> dict[str, Any]:
-        """The batch from each padded field's values back to back (``flat``, ``lengths``, its torch dtype) and the
-        other fields collated. ``flat`` may be a view of a heap: it is copied, never handed out."""
-        out: dict[str, Any] = {}
+        """The batch from each padded field's values (``Located``: in the samples' arrays or in a cache's heaps,
+        copied once here, never handed out) and its torch dtype, and the other fields collated."""
         if self.flatten:
             return self._flat(names, values, rest)
+        out: dict[str, Any] = {}
         first = next(iter(values.values()), None)
-        width = 0
-        if first is not None:
-            width = int(first[1].max()) if len(first[1]) else 0
-            for _, lengths, _ in values.values():
-                width = max(width, int(lengths.max()) if len(lengths) else 0)
-            if self.multiple:
-                width = -(-width // self.multiple) * self.multiple
+        width = max((int(v.lengths.max()) if len(v.lengths) else 0 for v, _ in values.values()), default=0)
+        if self.multiple:
+            width = -(-width // self.multiple) * self.multiple
         for name in names:
             if name in values:
-                flat, lengths, dtype = values[name]
-                out[name] = _padded(flat, _starts(lengths), lengths, self.pad_of(name), dtype, width)
+                located, dtype = values[name]
+                out[name] = _padded(located, self.pad_of(name), dtype, width)
             elif name in rest:
                 out[name] = rest[name]
         if first is not None and self.attention_mask is not None:
-            out[self.attention_mask] = _mask(first[1], width, self.mask_dtype)
+            out[self.attention_mask] = mask_of(first[0].lengths, width, self.mask_dtype)
         if self.labels is not None:
-            flat, lengths, dtype = values[self.labels]
-            out["labels"] = _padded(flat, _starts(lengths), lengths, self.ignore_index, dtype, width)
+            located, dtype = values[self.labels]
+            out["labels"] = _padded(located, self.ignore_index, dtype, width)
         return out
 
-    def _flat(self, names: list[str], values: dict[str, tuple[np.ndarray, np.ndarray, torch.dtype]],
+    def _flat(self, names: list[str], values: dict[str, tuple[Located, torch.dtype]],
               rest: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        lengths = next(iter(values.values()))[1] if values else np.zeros(0, np.int64)
+        lengths = next(iter(values.values()))[0].lengths if values else np.zeros(0, np.int64)
         for name in names:
             if name in values:
-                flat, field_lengths, dtype = values[name]
-                if not np.array_equal(field_lengths, lengths):
+                located, dtype = values[name]
+                if not np.array_equal(located.lengths, lengths):
                     raise ValueError(f"TextCollate(flatten=True): field {name!r}'s values are not as long as the "
                                      f"first flattened field's: one row of tokens needs fields of equal lengths")
-                out[name] = _tensor(np.ascontiguousarray(flat), dtype)[None, :]
+                out[name] = _tensor(np.ascontiguousarray(gathered(located)), dtype)[None, :]
             elif name in rest:
                 out[name] = rest[name]
         total = int(lengths.sum())
@@ -185,93 +178,35 @@ class TextCollate:
         out.update(cu_seq_lens_q=cu_tensor, cu_seq_lens_k=cu_tensor, max_length_q=longest, max_length_k=longest)
         return out
 
-    # --- straight from a cache's maps -----------------------------------------------------------------------------
+    # --- straight from caches' maps -------------------------------------------------------------------------------
 
-    def read_rows(self, reader: Any, rows: np.ndarray) -> dict[str, Any] | None:
-        """The batch of cache rows ``rows`` (all cacheable) copied straight from ``reader``'s maps, if every row is
-        complete and no writer changed anything meanwhile (the cache-wide counter, as ``RowReader.gather``'s warm
-        path checks); None otherwise (the caller gathers with the checks and calls ``from_columns``)."""
-        state = reader.state
-        counter = state.all_complete()
-        if counter < 0:
+    def read_parts(self, parts: list[tuple[Any, np.ndarray]]) -> dict[str, Any] | None:
+        """The batch of the cache rows of ``parts`` (``(RowReader, rows)``: one cache's, or a mixture's sources' in
+        turn), copied straight from their maps (``read.heap_batch``), if every row is complete and no writer changed
+        a cache meanwhile; None otherwise (the caller gathers with the checks and calls ``from_columns``)."""
+        warm = WarmRows(parts)
+        if not warm.begin():
             return None
-        store, fields = reader.store, reader.fields
+        fields = warm.fields
         names = [f.name for f in fields if f.kind != "json"]
-        ragged = {f.name: k for k, f in enumerate(fields) if f.ragged and len(f.shape) == 1 and f.kind not in (
-            "str", "bytes", "numpy_str", "numpy_bytes", "json")}
-        padded = self._padded_names(names, lambda n: n in ragged)
-        values: dict[str, tuple[np.ndarray, np.ndarray, torch.dtype]] = {}
+        number = {f.name: k for k, f in enumerate(fields)}
+        padded = self._padded_names(names, lambda n: warm.paddable(number[n]))
+        values: dict[str, tuple[Located, torch.dtype]] = {}
         for name in padded:
-            if name not in ragged:
-                return None  # (a fixed field asked to be padded: the checked path pads it as any value)
-            k = ragged[name]
-            field, heap, index = fields[k], store.heaps[k], store.index[k]
-            entries = index[rows]
-            offsets, lengths = entries[:, 0], entries[:, 2]
-            if field.ones:  # (only its lengths are stored: each value is the first of a row of ones)
-                if len(rows) and (int(lengths.min()) < 0 or entries[:, :2].any()):
-                    return None
-                longest = int(lengths.max()) if len(rows) else 0
-                values[name] = (np.ones(longest, field.np_dtype), lengths, _target(field),  # type: ignore[assignment]
-                                np.zeros(len(rows), np.int64))
-                continue
-            stored = field.storage_dtype
-            itemsize = stored.itemsize
-            end = int((offsets + lengths * itemsize).max()) if len(rows) else 0
-            buf = heap.buf if end <= heap.size else heap.covering(end)
-            if len(rows) and (int(offsets.min()) < 0 or int(lengths.min()) < 0 or end > len(buf) or (
-                    offsets % itemsize).any()):
-                return None  # (damage: the checked path finds it and says so)
-            elements = buf[:len(buf) - len(buf) % itemsize].view(stored)
-            values[name] = (elements, lengths, _target(field), offsets // itemsize)  # type: ignore[assignment]
+            located = warm.located(number[name]) if warm.paddable(number[name]) else None
+            if located is None:
+                return None  # (a fixed field asked to be padded, or damage: the checked path pads or reports it)
+            values[name] = (located, _target(fields[number[name]]))
         rest: dict[str, Any] = {}
         for k, field in enumerate(fields):
             if field.name in values or field.kind == "json" or (field.name == self.attention_mask and padded):
                 continue
-            if field.variable:
-                return None  # (a max_shapes field: the checked path collates it)
-            if field.kind in ("str", "bytes") and field.ragged:  # each value sliced out of the heap and decoded
-                text = _texts(field, store.index[k], store.heaps[k], rows)
-                if text is None:
-                    return None
-                rest[field.name] = text
-                continue
-            if field.ragged:  # values of more dimensions, numpy strings: gathered and split as the checked path does
-                ragged_column = gather_ragged(field, store.index[k], store.heaps[k], rows, np.ones(len(rows), bool))
-                if not ragged_column.valid.all():
-                    return None
-                rest[field.name] = reader._splitters[k](ragged_column)
-                continue
-            column = np.empty((len(rows), *field.shape), field.np_dtype)
-            np.take(reader.data[k], rows, axis=0, out=column, mode="clip")
-            rest[field.name] = reader._batch_converters[k](column)
-        batch = self._assemble_rows(names, values, rest)  # type: ignore[arg-type]
-        return batch if state.changes[0] == counter else None
-
-    def _assemble_rows(self, names: list[str], values: dict[str, tuple[np.ndarray, np.ndarray, torch.dtype,
-                                                                         np.ndarray]],
-                       rest: dict[str, Any]) -> dict[str, Any]:
-        """``_assemble`` for values read in place: each ``(elements, lengths, dtype, starts)``."""
-        if self.flatten:
-            flat = {n: (_gathered(e, s, lengths), lengths, dtype) for n, (e, lengths, dtype, s) in values.items()}
-            return self._flat(names, flat, rest)
-        out: dict[str, Any] = {}
-        first = next(iter(values.values()), None)
-        width = max((int(v[1].max()) if len(v[1]) else 0 for v in values.values()), default=0)
-        if self.multiple:
-            width = -(-width // self.multiple) * self.multiple
-        for name in names:
-            if name in values:
-                elements, lengths, dtype, starts = values[name]
-                out[name] = _padded(elements, starts, lengths, self.pad_of(name), dtype, width)
-            elif name in rest:
-                out[name] = rest[name]
-        if first is not None and self.attention_mask is not None:
-            out[self.attention_mask] = _mask(first[1], width, self.mask_dtype)
-        if self.labels is not None:
-            elements, lengths, dtype, starts = values[self.labels]
-            out["labels"] = _padded(elements, starts, lengths, self.ignore_index, dtype, width)
-        return out
+            value = warm.other(k)
+            if value is None:
+                return None
+            rest[field.name] = value
+        batch = self._assemble(names, values, rest)
+        return batch if warm.unchanged() else None
 
     def from_columns(self, reader: Any, columns: list[Any]) -> dict[str, Any]:
         """The batch from a checked gather's columns (``RowReader.gather``: fixed arrays, ``RaggedColumn``s)."""
@@ -280,17 +215,17 @@ class TextCollate:
         ragged = {f.name: k for k, f in enumerate(fields) if f.ragged and len(f.shape) == 1 and f.kind not in (
             "str", "bytes", "numpy_str", "numpy_bytes", "json")}
         padded = self._padded_names(names, lambda n: n in ragged)
-        values: dict[str, tuple[np.ndarray, np.ndarray, torch.dtype]] = {}
+        values: dict[str, tuple[Located, torch.dtype]] = {}
         for name in padded:
             k = names.index(name)
             column = columns[k]
             if name in ragged:
                 flat, counts, _ = column.merged()
-                values[name] = (flat, counts, _target(fields[k]))
             else:  # a fixed 1-D field asked for: its values are of one length
                 array = np.asarray(column)
-                values[name] = (array.reshape(-1), np.full(len(array), array.shape[1] if array.ndim > 1 else 1,
-                                                           np.int64), _target(fields[k]))
+                flat = array.reshape(-1)
+                counts = np.full(len(array), array.shape[1] if array.ndim > 1 else 1, np.int64)
+            values[name] = (_located(flat, counts), _target(fields[k]))
         rest = {}
         for k, field in enumerate(fields):
             if field.name in values or field.kind == "json" or (field.name == self.attention_mask and padded):
@@ -306,6 +241,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+
 def _varies(values: list[Any]) -> bool:
     """Whether a field's values are 1-D sequences (tensors, arrays, lists of numbers) whose lengths differ."""
     first = values[0]
@@ -317,16 +253,20 @@ def _varies(values: list[Any]) -> bool:
         return False
 
 
+
 def _as_numpy(value: Any) -> np.ndarray:
     if isinstance(value, torch.Tensor):
-        return value.detach().numpy()
+        bits = bits_of(value.dtype)  # (bfloat16 values: as their bits, which the batch is filled with)
+        return (value if bits is None else value.view(bits)).detach().numpy()
     return np.asarray(value)
+
 
 
 def _torch_dtype(value: Any, flat: np.ndarray) -> torch.dtype:
     if isinstance(value, torch.Tensor):
         return value.dtype
     return torch.from_numpy(np.zeros(0, flat.dtype)).dtype
+
 
 
 def _target(field: Any) -> torch.dtype:
@@ -336,75 +276,18 @@ def _target(field: Any) -> torch.dtype:
     return torch.from_numpy(np.zeros(0, field.np_dtype)).dtype
 
 
-def _mask(lengths: np.ndarray, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(B, width)``: 1 where position ``j < lengths[k]``, else 0."""
-    out = _filled((len(lengths), width), 0, dtype)
-    target = out.numpy()
-    for k, length in enumerate(lengths.tolist()):
-        target[k, :length] = 1
-    return out
-
-
-def _starts(lengths: np.ndarray) -> np.ndarray:
-    return np.cumsum(lengths) - lengths
-
-
-def _padded(elements: np.ndarray, starts: np.ndarray, lengths: np.ndarray, pad: int, dtype: torch.dtype,
-            width: int) -> torch.Tensor:
-    """A ``(B, width)`` tensor of ``dtype``: value ``k`` is ``elements[starts[k]:starts[k] + lengths[k]]``, then
-    ``pad``. Copied once, converted on the way (a narrower stored dtype)."""
-    out = _filled((len(lengths), width), pad, dtype)
-    target = out.numpy()
-    total = int(lengths.sum())
-    if not total:
-        return out
-    if total <= _SCATTER_BELOW * len(lengths):
-        rows = np.repeat(np.arange(len(lengths)), lengths)
-        first = np.repeat(_starts(lengths), lengths)
-        target[rows, np.arange(total) - first] = elements[np.repeat(starts, lengths) + np.arange(total) - first]
-        return out
-    for k, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
-        target[k, :length] = elements[start:start + length]
-    return out
-
-
-def _texts(field: Any, index: np.ndarray, heap: Any, rows: np.ndarray) -> list[Any] | None:
-    """A str (or bytes) field's values of ``rows``, each sliced out of its heap; None if an index row describes no
-    value in it (damage: the checked path reports it)."""
-    entries = index[rows]
-    offsets, lengths = entries[:, 0], entries[:, 2]
-    end = int((offsets + lengths).max()) if len(rows) else 0
-    buf = heap.buf if end <= heap.size else heap.covering(end)
-    if len(rows) and (int(offsets.min()) < 0 or int(lengths.min()) < 0 or end > len(buf)):
-        return None
-    data = buf.data
-    values = [data[o:o + n].tobytes() for o, n in zip(offsets.tolist(), lengths.tolist())]
-    if field.kind == "bytes":
-        return values
-    return [v.decode("utf-8", "surrogatepass") for v in values]
-
-
-def _filled(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``value``; in a DataLoader worker over shared memory, so that the batch crosses to the main
-    process without the copy sending an ordinary tensor costs (``read.gather.alloc_shared``'s way). Zeros from
-    numpy: pages the kernel zeroes as they are first written."""
-    if torch.utils.data.get_worker_info() is None:
-        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        return torch.from_numpy(np.zeros(shape, np_dtype) if value == 0 else np.full(shape, value, np_dtype))
-    count = int(np.prod(shape))
-    empty = torch.empty(0, dtype=dtype)
-    storage = empty.untyped_storage()._new_shared(max(1, count) * empty.element_size())
-    return empty.new(storage).view(-1)[:count].view(shape).fill_(value)
-
-
-def _gathered(elements: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The values ``elements[starts[k]:starts[k] + lengths[k]]`` back to back, in a new array (one copy)."""
-    if len(lengths) and bool((starts[1:] == starts[:-1] + lengths[:-1]).all()):
-        return elements[int(starts[0]):int(starts[-1] + lengths[-1])].copy()  # consecutive rows: one slice
-    return np.concatenate([elements[s:s + n] for s, n in zip(starts.tolist(), lengths.tolist())]) if len(
-        lengths) else elements[:0].copy()
-
 
 def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.from_numpy(array)
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+    if tensor.dtype == dtype:
+        return tensor
+    return tensor.view(dtype) if bits_of(dtype) is not None else tensor.to(dtype)
+
+
+def _located(flat: np.ndarray, lengths: np.ndarray) -> Located:
+    """Values given back to back, as ``Located``."""
+    return Located([(flat, np.cumsum(lengths) - lengths, lengths)], lengths)
+
+
+def _padded(located: Located, pad: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+    return padded_tensor(located, pad, dtype, width)

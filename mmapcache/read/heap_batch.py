@@ -1,0 +1,273 @@
+"""A warm batch read straight from the maps of one or more caches: the fused path of ``TextCollate`` and
+``PadCollate``, for one cache's batch (``ds.loader``) or a mixture's (a part per source).
+
+Each 1-D ragged field's values are *located* in their heaps (``Located``: per part, the heap's elements, where each
+value starts and its length), not copied: the collate copies them once, into the padded (or flat) tensors
+(``fill_padded``), widening values stored narrower (``store_as``) on the way. Every other field is gathered as the
+checked path gathers it. This holds only while every row asked for is complete and no writer changes a cache
+(each cache's cache-wide counter, as ``RowReader.gather``'s warm path checks it: ``begin``, then ``unchanged``
+after the copies); anything else (a miss, an uncached index, an index row that describes no value) makes the
+caller take the checked path, which computes what is missing and reports damage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from .gather import alloc_shared
+from .ragged import gather_ragged
+
+__all__ = ["Located", "WarmRows", "bits_of", "fill_padded", "filled", "gathered", "mask_of", "padded_tensor",
+           "same_storage"]
+
+# At or below this many elements per value on average, values are padded by one vectorised scatter; above, each is
+# copied as a slice (a Python step per value, no index arrays as long as the batch's tokens).
+_SCATTER_BELOW = 24
+_TEXT = ("str", "bytes")
+_SIGN = np.int64(-(1 << 63))  # an int64's sign bit
+_NOT_PADDED = ("str", "bytes", "numpy_str", "numpy_bytes", "json")
+
+
+class Located(NamedTuple):
+    """A 1-D ragged field's values of a batch, in their heaps: per part ``(elements, starts, lengths)`` (value ``k``
+    of the part is ``elements[starts[k]:starts[k] + lengths[k]]``), and every value's length in the batch's order."""
+
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    lengths: np.ndarray
+
+
+class WarmRows:
+    """The rows of a batch in one or more caches (``parts``: ``(RowReader, rows)``, the batch their rows in turn),
+    read in place. The first part's reader gives the batch's fields; the others must store each field the same
+    way (ragged or not: ``matches``).
+
+    Use: ``begin()`` (False: take the checked path), then ``located``/``fixed``/``texts``/``split`` (None: take
+    the checked path), then ``unchanged()`` (False: discard what was read, take the checked path). The caller
+    checks once that the parts' caches store their fields alike (``same_storage``).
+    """
+
+    def __init__(self, parts: Sequence[tuple[Any, np.ndarray]]) -> None:
+        self.parts = list(parts)
+        self.reader = self.parts[0][0]
+        self.fields = self.reader.fields
+        self.size = sum(len(rows) for _, rows in self.parts)
+        self._counters: list[int] = []
+
+    def begin(self) -> bool:
+        """Whether every part's cache is complete with no writer in it now (each one's counter is kept)."""
+        self._counters = [reader.state.all_complete() for reader, _ in self.parts]
+        return min(self._counters) >= 0
+
+    def unchanged(self) -> bool:
+        """Whether no writer changed any part's cache since ``begin``: what was read is what is stored."""
+        return all(reader.state.changes[0] == counter for (reader, _), counter in zip(self.parts, self._counters))
+
+    def paddable(self, k: int) -> bool:
+        """Whether field ``k`` is a 1-D ragged field of numbers (what ``located`` finds)."""
+        field = self.fields[k]
+        return field.ragged and len(field.shape) == 1 and field.kind not in _NOT_PADDED
+
+    def located(self, k: int) -> Located | None:
+        """Field ``k``'s values (a 1-D ragged field of numbers), in their heaps; None if an index row describes no
+        value there (damage, or a row being rewritten: the checked path says which). The index rows of every part
+        are checked at once (a mixture's batch: one check for all its sources)."""
+        fields = [reader.fields[k] for reader, _ in self.parts]
+        entries = [reader.store.index[k].take(rows, 0) for reader, rows in self.parts]  # (take: 3x indexing's speed)
+        every = entries[0] if len(entries) == 1 else np.concatenate(entries)
+        lengths = every[:, 2]
+        if any(field.ones for field in fields):
+            if every[:, :2].any() or not all(field.ones for field in fields) or (len(lengths) and lengths.min() < 0):
+                return None  # (a field of ones has only lengths: its index rows' extents are empty)
+            longest = np.ones(int(lengths.max()) if len(lengths) else 0, fields[0].np_dtype)
+            return Located([(longest, np.zeros(len(e), np.int64), e[:, 2]) for e in entries], lengths)
+        dtypes = [field.storage_dtype for field in fields]
+        sizes = [len(rows) for _, rows in self.parts]
+        one = all(dtype == dtypes[0] for dtype in dtypes[1:])
+        # Each row's item size and what its value may reach (its heap's mapped bytes): scalars for one cache (or
+        # sources stored alike), else repeated over each part's rows (sources stored in other widths: store_as).
+        itemsize: Any = dtypes[0].itemsize if one else np.repeat([d.itemsize for d in dtypes], sizes)
+        heaps = [reader.store.heaps[k] for reader, _ in self.parts]
+        mapped: Any = heaps[0].size if len(heaps) == 1 else np.repeat([heap.size for heap in heaps], sizes)
+        offsets, nbytes = every[:, 0], lengths * itemsize
+        ends = offsets + nbytes
+        # A negative offset or length or a misaligned offset (the sign bit, or the bits below the item size: one
+        # mask), a value past its extent, or past the mapped heap.
+        if len(lengths) and (((offsets & (itemsize - 1 | _SIGN)) | (lengths & _SIGN)).any() or (
+                nbytes > every[:, 1]).any() or (ends > mapped).any()) and not self._remapped(
+                heaps, ends, sizes, every, itemsize):
+            return None
+        parts, a = [], 0
+        for heap, size, dtype in zip(heaps, sizes, dtypes):
+            buf = heap.buf
+            elements = buf[:len(buf) - len(buf) % dtype.itemsize].view(dtype)
+            parts.append((elements, offsets[a:a + size] // dtype.itemsize, lengths[a:a + size]))
+            a += size
+        return Located(parts, lengths)
+
+    @staticmethod
+    def _remapped(heaps: list[Any], ends: np.ndarray, sizes: list[int], every: np.ndarray, itemsize: Any) -> bool:
+        """After ``located``'s check failed: whether every value is sound once each heap is mapped as far as its
+        values reach (a heap grown since this process mapped it), or None-worthy damage."""
+        offsets, lengths = every[:, 0], every[:, 2]
+        if ((offsets & (itemsize - 1 | _SIGN)) | (lengths & _SIGN)).any() or (
+                lengths * itemsize > every[:, 1]).any():
+            return False
+        a = 0
+        for heap, size in zip(heaps, sizes):
+            end = int(ends[a:a + size].max()) if size else 0
+            if end > heap.size and end > len(heap.covering(end)):
+                return False
+            a += size
+        return True
+
+    def fixed(self, k: int) -> Any:
+        """Field ``k``'s values (a fixed field), taken into one array, converted as the batch holds them."""
+        column = _alloc((self.size, *self.fields[k].shape), self.fields[k].np_dtype)
+        a = 0
+        for reader, rows in self.parts:
+            reader.data[k].take(rows, 0, column[a:a + len(rows)], "clip")
+            a += len(rows)
+        return self.reader._batch_converters[k](column)
+
+    def texts(self, k: int) -> list[Any] | None:
+        """Field ``k``'s values (a ragged ``str`` or ``bytes`` field), each sliced out of its heap and decoded."""
+        out: list[Any] = []
+        for reader, rows in self.parts:
+            store = reader.store
+            values = _texts(reader.fields[k].kind, store.index[k], store.heaps[k], rows)
+            if values is None:
+                return None
+            out += values
+        return out
+
+    def split(self, k: int) -> list[Any] | None:
+        """Field ``k``'s values (any other ragged field: more dimensions, numpy strings), gathered and split as the
+        checked path does."""
+        out: list[Any] = []
+        for reader, rows in self.parts:
+            store = reader.store
+            column = gather_ragged(reader.fields[k], store.index[k], store.heaps[k], rows, np.ones(len(rows), bool))
+            if not column.valid.all():
+                return None
+            out += reader._splitters[k](column)
+        return out
+
+    def other(self, k: int) -> Any:
+        """Field ``k`` read as the checked path collates a field it does not pad (None: take the checked path)."""
+        field = self.fields[k]
+        if field.variable or field.kind == "json":
+            return None
+        if not field.ragged:
+            return self.fixed(k)
+        return self.texts(k) if field.kind in _TEXT else self.split(k)
+
+
+def same_storage(readers: Sequence[Any]) -> bool:
+    """Whether every reader's cache stores each field as the first one does (ragged, fixed or ``max_shapes``): what
+    ``WarmRows`` needs of a mixture's sources."""
+    first = [(f.ragged, f.variable) for f in readers[0].fields]
+    return all([(f.ragged, f.variable) for f in reader.fields] == first for reader in readers[1:])
+
+
+def _alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return alloc_shared(shape, dtype) if torch.utils.data.get_worker_info() is not None else np.empty(shape, dtype)
+
+
+def _texts(kind: str, index: np.ndarray, heap: Any, rows: np.ndarray) -> list[Any] | None:
+    entries = index.take(rows, 0)
+    offsets, lengths = entries[:, 0], entries[:, 2]
+    end = int((offsets + lengths).max()) if len(rows) else 0
+    buf = heap.buf if end <= heap.size else heap.covering(end)
+    if len(rows) and (int(offsets.min()) < 0 or int(lengths.min()) < 0 or end > len(buf)):
+        return None
+    data = buf.data
+    values = [data[o:o + n].tobytes() for o, n in zip(offsets.tolist(), lengths.tolist())]
+    if kind == "bytes":
+        return values
+    return [v.decode("utf-8", "surrogatepass") for v in values]
+
+
+# --- filling the batch's tensors --------------------------------------------------------------------------------
+
+_BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+
+def bits_of(dtype: torch.dtype) -> torch.dtype | None:
+    """For a dtype numpy has no type for (bfloat16, float8, complex32), the unsigned integer of its width, whose bits
+    stand in for it (as a cache stores it); None for any other."""
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+    except TypeError:
+        return _BITS[torch.empty(0, dtype=dtype).element_size()]
+    return None
+
+
+def padded_tensor(located: Located, pad: Any, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """A ``(B, width)`` tensor of ``dtype``: each located value from column 0, then ``pad``; copied once, converted
+    on the way (a narrower stored dtype). A dtype numpy lacks is filled as its bits (the located values are)."""
+    bits = bits_of(dtype)
+    if bits is not None:
+        pad = torch.tensor([pad], dtype=dtype).view(bits).item()
+    out = filled((len(located.lengths), width), pad, bits or dtype)
+    fill_padded(out.numpy(), located)
+    return out if bits is None else out.view(dtype)
+
+def filled(shape: tuple[int, ...], value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``value``; in a DataLoader worker over shared memory, so that the batch crosses to the main
+    process without the copy sending an ordinary tensor costs (``read.gather.alloc_shared``'s way). Zeros from
+    numpy: pages the kernel zeroes as they are first written."""
+    if torch.utils.data.get_worker_info() is None:
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        return torch.from_numpy(np.zeros(shape, np_dtype) if value == 0 else np.full(shape, value, np_dtype))
+    count = int(np.prod(shape))
+    empty = torch.empty(0, dtype=dtype)
+    storage = empty.untyped_storage()._new_shared(max(1, count) * empty.element_size())
+    return empty.new(storage).view(-1)[:count].view(shape).fill_(value)
+
+
+def fill_padded(target: np.ndarray, located: Located) -> None:
+    """Copies the located values into the rows of ``target`` (``(B, width)``, already padded), each from column 0;
+    converted to ``target``'s dtype on the way."""
+    a = 0
+    for elements, starts, lengths in located.parts:
+        _fill_rows(target[a:a + len(lengths)], elements, starts, lengths)
+        a += len(lengths)
+
+
+def _fill_rows(target: np.ndarray, elements: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+    total = int(lengths.sum())
+    if not total:
+        return
+    if total <= _SCATTER_BELOW * len(lengths):
+        rows = np.repeat(np.arange(len(lengths)), lengths)
+        first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        column = np.arange(total) - first
+        target[rows, column] = elements[np.repeat(starts, lengths) + column]
+        return
+    for k, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        target[k, :length] = elements[start:start + length]
+
+
+def gathered(located: Located) -> np.ndarray:
+    """The located values back to back, in a new array (one copy; consecutive values of a part: one slice)."""
+    pieces = []
+    for elements, starts, lengths in located.parts:
+        if len(lengths) and bool((starts[1:] == starts[:-1] + lengths[:-1]).all()):
+            pieces.append(elements[int(starts[0]):int(starts[-1] + lengths[-1])])
+        else:
+            pieces += [elements[s:s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
+    if not pieces:
+        return located.parts[0][0][:0].copy() if located.parts else np.empty(0, np.int64)
+    return np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
+
+
+def mask_of(lengths: np.ndarray, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, width)``: 1 (True) where position ``j < lengths[k]``, else 0."""
+    out = filled((len(lengths), width), 0, dtype)
+    if len(lengths) and width:
+        out.numpy()[...] = np.arange(width) < lengths[:, None]
+    return out

@@ -1,0 +1,137 @@
+"""The fused path of ``PadCollate`` and ``TextCollate`` (``read.heap_batch``): a warm batch copied straight from the
+heaps into the padded tensors, for one cache or a mixture's sources at once. It must give exactly what the checked
+path gives (the collate over the source's samples), for every kind of field a padded batch holds, and leave damage
+to the checked path, which reports it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.text_sources import Tokenized
+from mmapcache import CacheFormatError, Mixture, MmapCachedDataset, PadCollate, TextCollate
+
+N = 48
+
+
+class Kinds(torch.utils.data.Dataset):
+    """Ragged fields of every kind the fused path pads (int64 and bfloat16 tensors, an int16 array, a list of
+    numbers), one it leaves to the checked path (2-D values), text, and fixed fields."""
+
+    def __init__(self, n: int = N, offset: int = 0) -> None:
+        self.n, self.offset = n, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        i += self.offset
+        length = 1 + (i * 5) % 11
+        return {
+            "ids": torch.arange(length) + 1000 * i,
+            "half": (torch.arange(length, dtype=torch.float32) / 8 + i).to(torch.bfloat16),
+            "small": np.arange(length, dtype=np.int16) - i,
+            "listed": [i] * (i % 4 + 1),
+            "boxes": torch.full((length % 3 + 1, 4), float(i)),
+            "caption": "x" * length,
+            "label": i,
+            "image": torch.full((2, 2), i, dtype=torch.uint8),
+        }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, tuple) and hasattr(a, "_fields"):
+        return type(a) is type(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
+            (a.view(torch.int16) == b.view(torch.int16)).all() if a.dtype == torch.bfloat16 else torch.equal(a, b))
+    return type(a) is type(b) and a == b
+
+
+@pytest.fixture
+def no_checked_gather(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the batches the checked gather reads (the fused path reads none of a warm cache's)."""
+    calls: list[int] = []
+    original = MmapCachedDataset.gather_columns
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(MmapCachedDataset, "gather_columns", counted)
+    return calls
+
+
+RAGGED = ["ids", "half", "small", "listed", "boxes"]
+
+
+@pytest.mark.parametrize("collate", [
+    PadCollate(0), PadCollate(7, mask=True), PadCollate(-1, fields=["ids", "small"]),
+    PadCollate(0, fields=["ids", "half", "small", "listed"]),
+])
+def test_a_warm_batch_is_padded_from_the_heaps_as_the_checked_path_pads_it(cache_path: str, collate: PadCollate,
+                                                                            no_checked_gather: list[int]) -> None:
+    """Against the checked gather's batch, and (where every ragged field is padded) the collate over the samples."""
+    source = Kinds()
+    with MmapCachedDataset(cache_path, source, ragged=RAGGED[:3] + ["boxes"]) as ds:
+        ds.fill()
+        every = PadCollate(collate.pad_value, mask=collate.mask, fields=collate.fields or RAGGED)
+        for indices in (list(range(8)), [47, 3, 3, 20, 0], [5]):
+            no_checked_gather.clear()
+            got = ds.read_batch(indices, 0, collate)
+            fused = not no_checked_gather
+            assert fused == (collate.fields is not None and "boxes" not in collate.fields)  # (2-D: checked path)
+            checked = ds.collate_columns(ds.gather_columns(np.array(indices), 0), collate)
+            assert _same(got, checked), indices
+            if set(every.fields or ()) >= set(RAGGED):
+                assert _same(got, every([source[i] for i in indices])), indices
+
+
+def test_a_mixtures_batch_is_padded_from_every_sources_heaps_at_once(shm_dir: str,
+                                                                      no_checked_gather: list[int]) -> None:
+    """Three sources, one with ids stored narrower (store_as): each batch equals the collate over its samples."""
+    sources = [Kinds(20), Kinds(12, offset=100), Kinds(9, offset=200)]
+    caches = [MmapCachedDataset(f"{shm_dir}/m{k}", s, ragged=["ids", "half", "small", "boxes"],
+                                store_as={"ids": "int32"} if k == 1 else None) for k, s in enumerate(sources)]
+    for ds in caches:
+        ds.fill()
+    mixture = Mixture(caches, counts=[20, 12, 9], seed=1)
+    fields = ["ids", "half", "small", "listed"]
+    for collate in (PadCollate(3, mask=True, fields=fields), TextCollate(0, fields=fields, attention_mask="mask")):
+        no_checked_gather.clear()
+        seen = []
+        for batch, which in mixture.loader(batch_size=6, collate_fn=collate, return_source=True):
+            labels = (batch["label"]).tolist()
+            samples = [sources[s][label - 100 * s] for label, s in zip(labels, which.tolist())]
+            expected = collate([{k: v for k, v in x.items() if k != "boxes"} for x in samples])
+            assert _same({k: v for k, v in batch.items() if k != "boxes"}, expected)
+            assert _same(batch["boxes"], [x["boxes"] for x in samples])
+            seen += labels
+        assert sorted(seen) == sorted(list(range(20)) + list(range(100, 112)) + list(range(200, 209)))
+        assert not no_checked_gather
+    for ds in caches:
+        ds.close()
+
+
+@pytest.mark.parametrize("damage", ["past the heap", "negative offset", "misaligned", "past its extent"])
+@pytest.mark.parametrize("collate", [PadCollate(0), TextCollate(0)])
+def test_an_index_row_that_describes_no_value_is_reported_not_read(cache_path: str, damage: str,
+                                                                    collate: Any) -> None:
+    with MmapCachedDataset(cache_path, Tokenized(N)) as ds:
+        ds.fill()
+    index = np.load(f"{cache_path}/input_ids.index.npy", mmap_mode="r+")
+    offset, extent, length = (int(x) for x in index[4])
+    index[4] = {"past the heap": (1 << 40, extent, length), "negative offset": (-8, extent, length),
+                "misaligned": (offset + 3, extent, length), "past its extent": (offset, extent, length + 64)}[damage]
+    index.flush()
+    del index
+    with MmapCachedDataset(cache_path, Tokenized(N)) as ds, pytest.raises(CacheFormatError, match="damaged"):
+        for _ in ds.loader(batch_size=8, collate_fn=collate):
+            pass
