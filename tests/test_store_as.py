@@ -322,3 +322,28 @@ def test_a_stream_stores_narrowed_values_its_producers_computed(cache_path: str)
     finally:
         producer.stop()
         ds.close()
+
+
+def test_a_mixture_reads_a_narrowed_sources_values_in_the_fields_dtype_whatever_the_batch_holds(
+        tmp_path: Any) -> None:
+    """Batches of lists (no padding): a batch holding only the narrowed source's part is split as the first,
+    plain source's field, whose dtype it must come back in (its int32 values were once viewed as int64)."""
+    plain_source, narrow_source = Tokenized(4), Tokenized(N, seed=2)
+    plain = MmapCachedDataset(str(tmp_path / "plain"), plain_source)
+    narrow = MmapCachedDataset(str(tmp_path / "narrow"), narrow_source, store_as=NARROW)
+    plain.fill()
+    narrow.fill()
+    for warm in (True, False):
+        if not warm:
+            narrow.refresh(fraction=1.0)  # stale: read through the checked gather, computed again
+        seen = 0
+        for batch, sources in Mixture([plain, narrow], counts=[1, N], seed=5).loader(batch_size=3,
+                                                                                    return_source=True):
+            for k, s in enumerate(sources.tolist()):
+                ids = batch["input_ids"][k]
+                expected = (plain_source if s == 0 else narrow_source)[int(ids[0]) // 1000]["input_ids"]
+                assert ids.dtype == torch.int64 and torch.equal(ids, expected)
+                seen += 1
+        assert seen == N + 1
+    plain.close()
+    narrow.close()
