@@ -402,6 +402,11 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         ``load_state_dict()`` (torchdata's ``StatefulDataLoader`` protocol, which Lightning saves in its
         checkpoints) resume exactly: see ``mmapcache.read.order``. A stream (``stream=True``) returns its own
         loader, which reads the stream's order and resumes at the rank's cursor.
+
+        ``group_by_length="input_ids"`` batches samples of similar lengths (less padding): each run of
+        ``group_size`` positions of the epoch's order (default 50 x batch size x ranks) is sorted longest first
+        before the split, as Hugging Face's ``group_by_length`` does; the ranks' split, the resume (elastic too)
+        and ``set_epoch`` hold as without it. It reads ``lengths(field)``: the cache must hold every sample.
         """
         return make_loader(self, **kwargs)
 

@@ -182,6 +182,9 @@ class Mixture:
         Other DataLoader arguments pass through; those that choose an order (``shuffle``, ``sampler``,
         ``batch_sampler``, ``generator``) are refused: the order is the mixture's.
         """
+        if kwargs.get("group_by_length") is not None:
+            raise ValueError("group_by_length= is ds.loader()'s: a mixture's batches are composed per source by its "
+                             "plan (weights, per_batch); leave it out of the mixture's loader()")
         for name in ("shuffle", "sampler", "batch_sampler", "generator"):
             if kwargs.get(name) is not None and not (name == "shuffle" and kwargs[name] is True):
                 raise ValueError(f"{name}= chooses an order, and a mixture draws its own (seed=, weights=); leave "

@@ -67,6 +67,30 @@ class CacheContents:
         stream, which keeps no sample for good: ``stream_stats["slots"]`` is its ring's size)."""
         return self._rows.slots
 
+    def lengths(self, field: str, epoch: int | None = None) -> np.ndarray:
+        """Every sample's length in ``field``, as an int64 array of ``len(ds)``: the size of its value's first
+        dimension (a token field's tokens; a ``str``'s UTF-8 bytes), read from the cache's index without reading a
+        value, for the epoch's variant (default: the current epoch's). For token budgets, packing, and
+        ``ds.loader(group_by_length=...)``.
+
+        Raises:
+            ValueError: no such field, a scalar field, or a stream (whose ring holds positions, not samples).
+            SampleNotCachedError: a sample is not stored (a partial cache, or one not filled yet: ``ds.fill()``,
+                ``ds.prefill()`` on every rank, or ``mmapcache build``).
+        """
+        from ..read.lengths import sample_lengths
+
+        reader = self._ensure_open()
+        if reader.store.meta["mode"] == "stream":
+            raise ValueError(f"{self._where()} is a stream: its ring holds the next positions of each epoch, not "
+                             "every sample, so it has no lengths to give")
+        if self._rows.keyed:
+            raise ValueError(f"{self._where()} is a rotating node share: its rows hold another generation's samples "
+                             "each rotation, so it has no lengths of the dataset's samples to give")
+        epoch = self._epoch_view[0] if epoch is None else int(epoch)
+        return sample_lengths(reader, self._rows.rows_of(np.arange(self._length, dtype=np.int64), epoch), field,
+                              self._where())
+
     def cacheable_indices(self) -> np.ndarray:
         """The source indices the cache can hold (this epoch's, for a rotating share), in slot order (int64)."""
         return self._rows.cacheable(self._epoch_view[0])

@@ -55,6 +55,7 @@ class BatchReader(Protocol):
 def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
     """``ds.loader(**kwargs)``: a ``CacheLoader``, or a ``StreamLoader`` for a stream (see ``ds.loader``)."""
     _check_workers_can_import(ds, kwargs)
+    grouping = _grouping(ds, kwargs)
     collate = kwargs.get("collate_fn")
     # Fused into the gather: pads from the heaps.
     pad = collate if isinstance(collate, (PadCollate, TextCollate)) else None
@@ -83,7 +84,7 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
         raise ValueError("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
     order = BatchOrder(ds, batch_size=None if batch_sampler is not None else batch_size, shuffle=bool(shuffle),
                        drop_last=drop_last, generator=generator, sampler=sampler, batch_sampler=batch_sampler,
-                       **placement)
+                       **placement, **grouping)
     if (collate is None or pad is not None) and ds.reads_batches and batch_size is not None:
         reads: _Reads = _Batches(ds, pad, order.trusted)
     else:
@@ -93,6 +94,27 @@ def make_loader(ds: BatchReader, **kwargs: Any) -> Any:
     # draws the permutation, exactly as DataLoader(ds, generator=...) does, so both shuffle alike.
     return CacheLoader(reads, batch_size=None, sampler=order, collate_fn=_identity, generator=order.generator,
                        **kwargs)
+
+
+def _grouping(ds: BatchReader, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``group_by_length`` and ``group_size``, taken out of ``kwargs`` and checked."""
+    field, size = kwargs.pop("group_by_length", None), kwargs.pop("group_size", None)
+    if field is None:
+        if size is not None:
+            raise ValueError("group_size= sizes the length groups of group_by_length=; pass both, or neither")
+        return {}
+    if not isinstance(field, str) or field not in ds.fields:
+        raise ValueError(f"group_by_length= names the field whose lengths group the batches, one of {ds.fields}; "
+                         f"got {field!r}")
+    if ds.stream:
+        raise ValueError("group_by_length= orders a cache's epoch by its samples' lengths; a stream's order is its "
+                         "own (its producers fill the ring in it): leave group_by_length out")
+    if kwargs.get("sampler") is not None or kwargs.get("batch_sampler") is not None:
+        raise ValueError("group_by_length= groups ds.loader()'s own order; a sampler or batch_sampler chooses "
+                         "another: pass one or the other")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1):
+        raise ValueError(f"group_size must be an int >= 1 (samples per length group), got {size!r}")
+    return {"group_by_length": field, "group_size": None if size is None else int(size)}
 
 
 class CacheLoader(DataLoader):

@@ -5,15 +5,18 @@ A state (format ``mmapcache.loader/3``, a dict of plain values and tensors that 
 
 - the loader's shape, which the loading loader must match: ``length``, ``batch_size``, ``drop_last``, ``shuffle``,
   ``world_size``, ``batches_per_epoch``, ``seed`` (where it draws the order), ``sampler_kinds``, ``generators``
-  and, with a ``generator=``, ``seeds_workers_once``; except that a loader of its own order (no ``sampler``) may
-  have another ``world_size`` and ``batch_size`` (so ``batches_per_epoch``): the resume is *elastic*;
+  and, with a ``generator=``, ``seeds_workers_once``, ``group_by_length`` and ``group_size`` (the field whose
+  lengths group the order, and the groups' size); except that a loader of its own order (no ``sampler``) may
+  have another ``world_size`` and ``batch_size`` (so ``batches_per_epoch``, and a default ``group_size``): the
+  resume is *elastic*;
 - where the loader is: ``epoch`` and ``repeat`` (the pass of that epoch), and ``batches``, the batches of that pass
   handed to the training loop (0 to ``batches_per_epoch``), with ``in_epoch`` saying whether that pass is in flight
   (its order drawn, ``batches`` of it yielded: the rest is resumed) or is the next one (``batches`` is 0), and
   ``persistent`` (a next pass that draws no base seed for its workers); for the own order also ``offset``, the
   positions of the epoch's order the whole job has read (``read.epoch_split``; ``length`` once the pass is over),
   ``base``, where in the order the pass started (0, or the offset of the state it resumed elastically), and
-  ``order_world``, the number of ranks whose rule drew the epoch's order;
+  ``order_world`` and ``order_group``, the number of ranks and the length groups' size (None: none) the epoch's
+  order was drawn with;
 - what that pass is drawn from (``read.resume.EpochStart``): ``generator``, ``sampler``, ``rng``.
 
 Loading a state sets the dataset's epoch to the state's, unless ``set_epoch`` was called since the loader was made
@@ -38,7 +41,8 @@ __all__ = ["STATE_FORMAT", "save", "load"]
 
 STATE_FORMAT = "mmapcache.loader/3"  # 1: 0.3, whose own shuffle drew its seed from torch's global generator
 _FORMATS = ("mmapcache.loader/2", STATE_FORMAT)  # 2: 0.4 and 0.5, no elastic resume
-_ELASTIC = {"world_size", "batch_size", "batches_per_epoch"}  # what a state of the own order may have otherwise
+# What a state of the own order may have otherwise (a default group size follows the batch size and ranks).
+_ELASTIC = {"world_size", "batch_size", "batches_per_epoch", "group_size"}
 
 
 def shape(loader: Any, world: int | None = None, batch_size: int | None = None) -> dict[str, Any]:
@@ -56,7 +60,8 @@ def shape(loader: Any, world: int | None = None, batch_size: int | None = None) 
                  order.generator is None or world > 1) else None,
              "sampler_kinds": [_kind(order.user_sampler), _kind(order.user_batch_sampler)],
              "generators": [order.generator is not None, has_generator(order.user_sampler),
-                            has_generator(getattr(order.user_batch_sampler, "sampler", None))]}
+                            has_generator(getattr(order.user_batch_sampler, "sampler", None))],
+             "group_by_length": order.group_field, "group_size": order.group_for(world, batch_size)}
     if order.own and order.shuffle and order.generator is not None:
         # A generator= also gives the workers their base seed: once with persistent workers, else each epoch.
         state["seeds_workers_once"] = bool(loader.num_workers and loader.persistent_workers)
@@ -75,7 +80,7 @@ def save(loader: Any) -> dict[str, Any]:
     resume = order.resume
     start = order.current() if current is not None and current.active else None
     steps = order.batch_size * order.num_replicas if order.batch_size else order.num_replicas
-    base, world = 0, order.num_replicas
+    base, world, group = 0, order.num_replicas, state["group_size"]
     if resume is not None:  # loaded and not iterated since: that state again
         start, batches, in_epoch = resume.start, resume.skip, resume.same_epoch
         epoch, persistent = start.epoch if in_epoch else order.epoch, not in_epoch
@@ -83,9 +88,11 @@ def save(loader: Any) -> dict[str, Any]:
         if resume.offset is not None:
             base = offset = resume.offset
             world = resume.world or world
+            group = resume.group if resume.group is not None else group
     elif start is not None and current is not None:  # a pass in flight, its order drawn (after its last batch too)
         epoch, batches, in_epoch, persistent = start.epoch, order.skipped + current.yielded, True, False
         base, world = order.base, order.drawn_by or world
+        group = order.drawn_group if order.drawn_group is not None else group
         # Whole batches of every rank so far: the job read the order's positions up to here (read.epoch_split).
         offset = base + batches * steps if batches < order.pass_batches else len(order.ds)
     else:  # between passes: what the next one draws
@@ -98,7 +105,7 @@ def save(loader: Any) -> dict[str, Any]:
     state.update(epoch=epoch, batches=batches, generator=start.generator, sampler=start.sampler,
                  repeat=start.repeat, rng=start.rng, in_epoch=in_epoch, persistent=persistent)
     if order.own:
-        state.update(offset=offset, base=base, order_world=world)
+        state.update(offset=offset, base=base, order_world=world, order_group=group)
     return state
 
 
@@ -116,8 +123,10 @@ def load(loader: Any, state: Any) -> None:
     order: BatchOrder = loader.sampler
     mine = shape(loader)
     differ = _differ(state, mine)
-    elastic = bool(differ) and order.own and {key for key, _ in differ} <= _ELASTIC and not _differ(
-        state, shape(loader, _integer(state, "world_size", 1, 2**31), state.get("batch_size")))
+    # (The pass resumed keeps the length groups it was drawn with, whatever size this loader draws its own with.)
+    elastic = bool(differ) and order.own and {key for key, _ in differ} <= _ELASTIC and not [
+        key for key, _ in _differ(state, shape(loader, _integer(state, "world_size", 1, 2**31), state.get(
+            "batch_size"))) if key != "group_size"]
     if differ and not elastic:
         raise ValueError(f"this loader state was saved by a loader of another shape "
                          f"({'; '.join(text for _, text in differ)}): resuming from it would read another order. "
@@ -133,7 +142,10 @@ def load(loader: Any, state: Any) -> None:
         order.ds.restore_epoch(epoch)
     offset, base, world = _position(state, order, batches, saved["batches_per_epoch"])
     if in_epoch and (elastic or base):  # not whole batches of this job from the epoch's start: read.epoch_split
-        order.resume = Resume(start, 0, offset=offset, world=world)
+        group = state.get("order_group", state.get("group_size"))
+        if group is not None:
+            group = _integer(state, "order_group" if "order_group" in state else "group_size", 1, 2**62)
+        order.resume = Resume(start, 0, offset=offset, world=world, group=group)
     elif in_epoch:
         order.resume = Resume(start, batches)
     elif persistent:

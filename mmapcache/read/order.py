@@ -62,6 +62,7 @@ from ..errors import DistributedOrderWarning, warn
 from ..store.share import job_rank_and_size
 from .draws import epoch_indices, global_order
 from .epoch_split import interleaved
+from .lengths import by_length
 from .resume import (
     EpochStart,
     Resume,
@@ -112,11 +113,15 @@ class BatchOrder(DistributedSampler):
         sampler, batch_sampler: a user's sampler or batch sampler (then ``shuffle`` is False).
         rank, world_size: this process's place in the job (default: found per epoch, ``job_rank_and_size``).
         seed: the own shuffle's seed, the same on every rank (default: the dataset's ``seed``).
+        group_by_length: a field whose lengths (``ds.lengths``) order each run of ``group_size`` positions of the
+            own order longest first, before the split; ``group_size`` defaults to 50 steps of the job (50 x batch
+            size x ranks).
     """
 
     def __init__(self, ds: _Ordered, *, batch_size: int | None, shuffle: bool, drop_last: bool, generator: Any,
                  sampler: Any = None, batch_sampler: Any = None, rank: int | None = None,
-                 world_size: int | None = None, seed: int | None = None) -> None:
+                 world_size: int | None = None, seed: int | None = None, group_by_length: str | None = None,
+                 group_size: int | None = None) -> None:
         # DistributedSampler.__init__ is not called: it fixes the split now, and here it is found per epoch.
         self.ds = ds
         self.dataset = ds  # type: ignore[assignment]
@@ -138,6 +143,8 @@ class BatchOrder(DistributedSampler):
         self.base, self.pass_batches = 0, 0
         self.drawn_by: int | None = None
         self.draws_base_seed = False  # set by a loader without workers: draw DataLoader's workers' base seed first
+        self.group_field, self.group_given = group_by_length, group_size
+        self.drawn_group: int | None = None  # the group size the pass in flight was drawn with (a resumed one's)
         self.resume: Resume | None = None  # set by CacheLoader.load_state_dict
         self.sets_seen = ds.epoch_sets  # the dataset's set_epoch count when this order was made or last began a pass
         self._warned = False
@@ -233,6 +240,7 @@ class BatchOrder(DistributedSampler):
         elastic = resume is not None and resume.same_epoch and resume.offset is not None
         self.base = resume.offset if elastic and resume.offset is not None else 0  # type: ignore[union-attr]
         self.drawn_by = resume.world if elastic else None  # type: ignore[union-attr]
+        self.drawn_group = resume.group if elastic else None  # type: ignore[union-attr]
         self.started, self.skipped = start, skip
         self.record_draw(start.epoch, start.repeat)
         # A resumed epoch whose sampler drew from torch's global generator draws again from the recorded state.
@@ -244,7 +252,7 @@ class BatchOrder(DistributedSampler):
                     batches = list(batches)
         else:
             with global_rng(again):
-                indices = self._indices(start, self.base, self.drawn_by)
+                indices = self._indices(start, self.base, self.drawn_by, self.drawn_group)
             size = self.batch_size
             if size is None:
                 batches = indices.tolist()
@@ -272,7 +280,7 @@ class BatchOrder(DistributedSampler):
                     pass
             elif not self.own or (self.shuffle and self.generator is not None and
                                   (resume.world or self.placement()[1]) == 1):
-                self._indices(resume.start, world=resume.world)
+                self._indices(resume.start, world=resume.world, group=resume.group)
 
     def start(self) -> EpochStart:
         """What this epoch is drawn from, recorded before the draw (``read.resume``)."""
@@ -354,10 +362,12 @@ class BatchOrder(DistributedSampler):
         sampler = self._sampler()
         return getattr(sampler, "generator", None)
 
-    def _indices(self, start: EpochStart, offset: int = 0, world: int | None = None) -> np.ndarray:
+    def _indices(self, start: EpochStart, offset: int = 0, world: int | None = None,
+                 group: int | None = None) -> np.ndarray:
         """This process's indices of the epoch ``start`` describes, in reading order (int64): of a user's sampler,
         or its part of the own order from position ``offset`` on, the order drawn as a job of ``world`` ranks draws
-        it (default: this job's; another for a state saved by another number of ranks: ``read.epoch_split``)."""
+        it (default: this job's; another for a state saved by another number of ranks: ``read.epoch_split``), its
+        runs of ``group`` positions sorted by length with ``group_by_length`` (default: this loader's size)."""
         n, epoch = len(self.ds), start.epoch
         if not self.own:
             return epoch_indices(self.user_sampler)
@@ -377,7 +387,16 @@ class BatchOrder(DistributedSampler):
                  "ds.set_epoch(epoch)) before each epoch", DistributedOrderWarning)
         order = global_order(n, shuffle=self.shuffle, seed=self.seed, epoch=epoch, repeat=start.repeat, world=drawn,
                              generator=self.generator)
+        if self.group_field is not None:
+            lengths = self.ds.lengths(self.group_field, epoch)  # type: ignore[attr-defined]
+            order = by_length(order, lengths, group or self.group_for(size, self.batch_size))
         return interleaved(order, offset, rank, size)
+
+    def group_for(self, world: int, batch_size: int | None) -> int | None:
+        """The length groups' size in a job of ``world`` ranks with batches of ``batch_size`` (None: no grouping)."""
+        if self.group_field is None:
+            return None
+        return self.group_given or 50 * (batch_size or 1) * world
 
     def batches_for(self, world: int, batch_size: int | None) -> int:
         """Batches per epoch of the own order in a job of ``world`` ranks with batches of ``batch_size``."""

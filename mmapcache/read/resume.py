@@ -55,6 +55,7 @@ class Resume:
     same_epoch: bool = True
     offset: int | None = None
     world: int | None = None
+    group: int | None = None  # with ``offset``: the length groups' size the order was drawn with (``group_by_length``)
 
 
 def has_epoch(sampler: Any) -> bool:

@@ -1,0 +1,70 @@
+"""Each sample's length in a field, read from the cache's index (no value read): what length-grouped batching,
+token budgets and packing need (``MmapCachedDataset.lengths``), and the grouping itself (``by_length``).
+
+A length is the size of a value's first dimension: a token field's tokens, a ragged ``str``'s UTF-8 bytes, a field
+of boxes' boxes. For a ragged field it is the index row's first shape word, for a ``max_shapes`` field its shape
+file's, and a fixed field's is its one shape. Only stored samples have one: the cache must hold every sample (its
+current variant, not stale), and a cache a writer changes while the lengths are read is read again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import SampleNotCachedError
+
+__all__ = ["by_length", "sample_lengths"]
+
+_TRIES = 8
+
+
+def sample_lengths(reader: Any, rows: np.ndarray, field: str, where: str) -> np.ndarray:
+    """The lengths (int64) of field ``field`` of the samples stored in ``rows`` (every sample's row, in index order).
+
+    Raises:
+        ValueError: no such field, or one without a first dimension (a scalar).
+        SampleNotCachedError: a sample is not stored (its row missing, not filled, or stale), naming how many and
+            the fix; or writers kept changing the cache while the lengths were read.
+    """
+    names = [f.name for f in reader.fields]
+    if field not in names:
+        raise ValueError(f"{where} has no field {field!r}; its fields are {names}")
+    k = names.index(field)
+    spec = reader.fields[k]
+    if not spec.shape:
+        raise ValueError(f"field {field!r} of {where} is a scalar ({spec.kind}): it has no length; name a ragged "
+                         "field (token ids, text) or an array")
+    if (rows < 0).any():
+        raise SampleNotCachedError(
+            f"{where} holds {int((rows >= 0).sum())} of its {len(rows)} samples (max_bytes, cache_indices or a "
+            "node share): the lengths of the others are not stored; length-grouped batching needs a cache of "
+            "every sample")
+    state = reader.state
+    for _ in range(_TRIES):
+        counter = state.all_complete()
+        if counter < 0:
+            missing = len(rows) - int((state.filled_rows(rows) & ~state.stale_rows(rows)).sum())
+            if missing:
+                raise SampleNotCachedError(
+                    f"{where}: {missing} of its {len(rows)} samples are not stored yet (or stale), and lengths are "
+                    "read from the stored samples: fill it first (ds.fill(), ds.prefill() on every rank of a job, "
+                    "or `mmapcache build`)")
+            counter = state.changes[0] & ~1  # complete, a writer in another part of it (a refresh): read, check
+        if not spec.ragged and not spec.variable:
+            return np.full(len(rows), spec.shape[0], np.int64)
+        table = reader.store.index[k] if spec.ragged else reader.shapes[k]
+        lengths = table[:, 2 if spec.ragged else 0].take(rows)
+        if state.changes[0] == counter:
+            return lengths.astype(np.int64, copy=False)
+    raise SampleNotCachedError(f"{where}: writers changed the cache {_TRIES} times while the lengths were read; "
+                               "read them when it is filled")
+
+
+def by_length(order: np.ndarray, lengths: np.ndarray, group: int) -> np.ndarray:
+    """``order`` with each run of ``group`` consecutive positions sorted longest first (ties in the order's order):
+    batches cut from it hold samples of similar lengths, and which samples share a group stays as random as the
+    order (Hugging Face's ``LengthGroupedSampler``'s megabatches)."""
+    keys = lengths.take(order)
+    return order[np.lexsort((-keys, np.arange(len(order)) // max(1, group)))]
