@@ -80,7 +80,7 @@ def test_a_warm_batch_is_padded_from_the_heaps_as_the_checked_path_pads_it(cache
                                                                             no_checked_gather: list[int]) -> None:
     """Against the checked gather's batch, and (where every ragged field is padded) the collate over the samples."""
     source = Kinds()
-    with MmapCachedDataset(cache_path, source, ragged=RAGGED[:3] + ["boxes"]) as ds:
+    with MmapCachedDataset(cache_path, source, ragged=[*RAGGED[:3], "boxes"]) as ds:
         ds.fill()
         every = PadCollate(collate.pad_value, mask=collate.mask, fields=collate.fields or RAGGED)
         for indices in (list(range(8)), [47, 3, 3, 20, 0], [5]):

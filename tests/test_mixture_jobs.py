@@ -172,8 +172,11 @@ def test_a_lightning_job_resumed_from_a_step_checkpoint_trains_on_the_uninterrup
     # The uninterrupted job (ddp, 2 ranks, 2 epochs of 6 steps, a checkpoint every 3 steps) trains on the mixture's
     # own split of each epoch: Lightning keeps the loader's sampler (a DistributedSampler) and its set_epoch reaches
     # the mixture.
-    whole = str(tmp_path / "whole")
-    fit((whole, os.path.join(shm_dir, "whole"), *LIGHTNING, "--every", "3"))
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    # Then, in the same process, a job of its own on caches of its own, SIGKILLed (every rank) as its step 5 begins,
+    # after its step-3 checkpoint: it is resumed below on those caches, as a job killed mid-epoch is.
+    fit((whole, os.path.join(shm_dir, "whole"), *LIGHTNING, "--every", "3"),
+        (killed, os.path.join(shm_dir, "killed"), *LIGHTNING, "--every", "3", "--kill-at", "4"), killed=True)
     trained = records(whole)
     expected = _mixture_batches(os.path.join(shm_dir, "here"))
     assert [r["step"] for r in trained if r["rank"] == 0] == list(range(12))
@@ -183,17 +186,21 @@ def test_a_lightning_job_resumed_from_a_step_checkpoint_trains_on_the_uninterrup
     for epoch in range(2):
         assert collections.Counter(i // STRIDE for r in trained if r["epoch"] == epoch for i in r["indices"]) == {
             1: 45, 2: 27, 3: 18}
-    # Resumed from step 3 (mid epoch 0) with 2 workers per rank, from step 6 (epoch 0's last step: the loader's
-    # state says its pass ended) and from step 9 (mid epoch 1): three jobs, one after the other in one new process,
-    # each a new Trainer on new caches. Each trains from its step on what the uninterrupted job did, batch for batch.
+    # Resumed from the killed job's step 3 (mid epoch 0) with 2 workers per rank, on its caches; from the
+    # uninterrupted job's step 6 (epoch 0's last step: the loader's state says its pass ended) and step 9 (mid epoch
+    # 1), each on new caches: three jobs, one after the other in one new process, each a new Trainer. Each trains
+    # from its step on what the uninterrupted job did, batch for batch.
     # (On the same 2 devices: Lightning's own batch counters are not elastic. It continues the restored batch index
     # and ends an epoch when that index reaches the new len(loader), so a checkpoint of 1 device resumed mid-epoch on
     # 2 trains part of the epoch's rest, and one of 2 devices taken on an epoch's last step, resumed on 1, trains
     # half of the next epoch; the loader yields the whole rest either way.)
     reference = {(r["rank"], r["epoch"], r["batch"]): r["indices"] for r in trained}
+    assert [r["step"] for r in records(killed) if r["rank"] == 0] == list(range(4))  # (killed before step 4's batch)
+    assert sorted(os.listdir(os.path.join(killed, "ckpt"))) == ["step=3.ckpt"]
     resumes = {step: (str(tmp_path / f"from{step}"), workers) for step, workers in ((3, 2), (6, 0), (9, 0))}
-    fit(*((out, os.path.join(shm_dir, f"from{step}"), *LIGHTNING, "--workers", str(workers), "--resume",
-           os.path.join(whole, "ckpt", f"step={step}.ckpt")) for step, (out, workers) in resumes.items()))
+    fit(*((out, os.path.join(shm_dir, "killed" if step == 3 else f"from{step}"), *LIGHTNING, "--workers",
+           str(workers), "--resume", os.path.join(killed if step == 3 else whole, "ckpt", f"step={step}.ckpt"))
+          for step, (out, workers) in resumes.items()))
     for step, (out, workers) in resumes.items():
         after = records(out)
         where = f"resumed from step {step} with {workers} workers"

@@ -6,11 +6,12 @@ Run as a script, with ``tests`` on ``PYTHONPATH`` (Lightning's ``ddp`` starts ra
 again)::
 
     python lightning_script.py OUT CACHE --strategy ddp --epochs 2 [--every 3] [--epoch-end] [--resume CKPT]
-        [--workers N] [--devices 1 --strategy auto] [--seed S] [--mixture] [--next OUT2 CACHE2 ...]
+        [--workers N] [--devices 1 --strategy auto] [--seed S] [--mixture] [--kill-at S] [--next OUT2 CACHE2 ...]
 
 Each rank appends ``{"rank", "epoch", "batch", "step", "indices"}`` per training batch to ``OUT/rank<R>.jsonl``;
 with ``--every K`` a checkpoint is saved every K steps as ``OUT/ckpt/step=<S>.ckpt``, with ``--epoch-end`` at each
-epoch's end as ``OUT/ckpt/epoch=<E>.ckpt``; ``--resume`` continues from one; ``--seed`` calls ``seed_everything``.
+epoch's end as ``OUT/ckpt/epoch=<E>.ckpt``; ``--resume`` continues from one; ``--seed`` calls ``seed_everything``;
+``--kill-at S``: every rank SIGKILLs itself as step ``S + 1`` begins (after step ``S``'s checkpoint), the job's end.
 The source logs every sample it computes to ``OUT/calls`` (``helpers.sources.Counting``). Each ``--next`` starts
 another job's arguments: the jobs run one after the other in this process (each a new ``Trainer``, model and
 dataset; ``ddp``'s rank 1 runs them too), so that several resumed jobs pay for one Lightning start-up, not one each.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -48,6 +50,17 @@ class Data(L.LightningDataModule):
         ds = MmapCachedDataset(self.cache, Counting(Numbered(self.n), os.path.join(self.out, "calls")),
                                fingerprint=f"numbered-{self.n}")
         return ds.loader(batch_size=8, shuffle=True, num_workers=self.workers)
+
+
+class KillAt(L.Callback):
+    """SIGKILLs this rank as the batch after step ``step`` begins: a job killed mid-epoch, its checkpoints saved."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Model(L.LightningModule):
@@ -87,10 +100,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--mixture", action="store_true")
+    parser.add_argument("--kill-at", type=int)
     args = parser.parse_args(argv)
     if args.seed is not None:
         L.seed_everything(args.seed)
-    callbacks = []
+    callbacks: list[Any] = [] if args.kill_at is None else [KillAt(args.kill_at)]
     if args.epoch_end:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
             dirpath=os.path.join(args.out, "ckpt"), filename="{epoch}", save_top_k=-1))
@@ -99,7 +113,7 @@ def main(argv: list[str]) -> None:
             dirpath=os.path.join(args.out, "ckpt"), filename="{step}", every_n_train_steps=args.every,
             save_top_k=-1))
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=args.strategy, max_epochs=args.epochs,
-                        logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                        logger=False, enable_checkpointing=args.every or args.epoch_end, callbacks=callbacks,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     data = Data(args.cache, args.out, args.n, args.workers, args.mixture)
     trainer.fit(Model(args.out), datamodule=data, ckpt_path=args.resume)
