@@ -95,7 +95,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
             mapped = fill_map(store.length, rowmap.cacheable(), shares)
         else:
             mapped = fill_map(store.length, np.zeros(0, np.int64), np.zeros(0))
-        fields = []
+        fields: list[dict[str, Any]] = []
         ragged_number = 0
         for field, spec in zip(store.layout.fields, meta["fields"]):
             entry: dict[str, Any] = {

@@ -389,7 +389,7 @@ class BatchOrder(DistributedSampler):
                              generator=self.generator)
         if self.group_field is not None:
             lengths = self.ds.lengths(self.group_field, epoch)  # type: ignore[attr-defined]
-            order = by_length(order, lengths, group or self.group_for(size, self.batch_size))
+            order = by_length(order, lengths, group or self.group_for(drawn, self.batch_size) or 1)
         return interleaved(order, offset, rank, size)
 
     def group_for(self, world: int, batch_size: int | None) -> int | None:
