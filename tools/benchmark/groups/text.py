@@ -42,7 +42,8 @@ from benchmark.groups.text_corpus import (
     pad_collate,
     write_corpus,
 )
-from benchmark.groups.text_sides import READERS, Floor, Litdata, Reader, du, hf_save
+from benchmark.groups.text_reader import Reader
+from benchmark.groups.text_sides import READERS, Floor, Litdata, du, hf_save
 from benchmark.workloads import workspace
 from mmapcache import MmapCachedDataset, PadCollate
 
