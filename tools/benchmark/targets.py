@@ -97,6 +97,8 @@ TARGETS: dict[str, Target] = {
         0.9) for b in (64, 256)},
     "text.cache_bytes_vs_hf": Target("text", "text: cache bytes on /dev/shm vs HF Arrow bytes (int32 ids, int8 mask)",
                                      "<=", 1.0),
+    "text.narrowed_bytes_vs_hf": Target(
+        "text", "text: narrowed cache (store_as int32 ids, mask as ones) bytes vs HF Arrow bytes", "<=", 1.2),
     "text.cold": Target("text", "text: cold epoch time, new cache + ds.loader vs 20 us source", "<=", 1.3),
     "text.getitem_over_source": Target("text", "text: ds[i] cold, us over the 20 us source", "<=", 10.0),
     "text.build_scaling": Target("text", "text: build, 2 workers vs 1 (CPU-bound text source)", ">=", 1.6),

@@ -14,7 +14,8 @@ seeded permutation and pads each batch to its longest sample (or flattens it). M
    Before any timing, every side's batches for the same indices are checked equal to the floor's. Targets: both
    mmapcache padded sides against the list of dicts and HF; the flat side against the heap gather (without workers:
    the floor is one process).
-2. Memory: the cache's bytes on ``/dev/shm`` (du), the values' own bytes, HF's Arrow files' bytes.
+2. Memory: the plain and the narrowed cache's bytes on ``/dev/shm`` (du) and their heaps' used bytes (describe),
+   the values' own bytes, HF's Arrow files' bytes.
 3. Cold: a new cache's first ``ds.loader`` epoch against the bare source through a DataLoader; ``ds[i]`` on a new
    cache, microseconds over the source; ``mmapcache.build`` with 2 workers against 1 on a CPU-bound text source.
 
@@ -47,6 +48,7 @@ from benchmark.groups.text_corpus import (
     pad_collate,
     write_corpus,
 )
+from benchmark.groups.text_model_sides import STORE_AS, narrowed_cache
 from benchmark.groups.text_reader import Reader
 from benchmark.groups.text_sides import READERS, Floor, Litdata, du, hf_save
 from benchmark.workloads import workspace
@@ -161,6 +163,20 @@ def _memory(results: Results, corpus: Corpus, tmp: str, ds: MmapCachedDataset) -
                 "bytes", note, load)
     results.row("text", "text memory: mmapcache cache on /dev/shm (du)", cache, "bytes", note, load)
     results.row("text", "ratio text memory: cache bytes vs the values' bytes", cache / values, "x", note, load)
+    narrowed = narrowed_cache(corpus, tmp)
+    try:
+        narrow = du(narrowed.path)
+        heaps = {name: _heaps(path) for name, path in (("plain", ds.path), ("narrowed", narrowed.path))}
+    finally:
+        narrowed.close()
+    results.row("text", "text memory: narrowed cache (int32 ids, mask as ones) on /dev/shm (du)", narrow, "bytes",
+                f"N={corpus.n}, store_as={STORE_AS}", load)
+    for name, (used, fields) in heaps.items():
+        results.row("text", f"text memory: {name} cache's heaps, used bytes (describe)", used, "bytes", fields, load)
+    results.row("text", "ratio text memory: narrowed cache bytes vs the values' bytes", narrow / values, "x", note,
+                load)
+    results.row("text", "ratio text memory: narrowed cache bytes vs the plain cache's", narrow / cache, "x", note,
+                load)
     if importlib.util.find_spec("datasets") is None:
         results.row("text", "text memory: HF datasets Arrow files", None, "bytes", "skipped: pip install datasets")
         return
@@ -171,6 +187,16 @@ def _memory(results: Results, corpus: Corpus, tmp: str, ds: MmapCachedDataset) -
     note = f"N={corpus.n}, given int32 input_ids and int8 attention_mask; HF stored: {features}"
     results.row("text", "text memory: HF datasets Arrow files (save_to_disk)", arrow, "bytes", note, load)
     results.target("text.cache_bytes_vs_hf", cache / arrow, load, f"cache {cache:,} B, Arrow {arrow:,} B; {note}")
+    results.target("text.narrowed_bytes_vs_hf", narrow / arrow, load,
+                   f"narrowed cache {narrow:,} B, Arrow {arrow:,} B; {note}")
+
+
+def _heaps(path: str) -> tuple[int, str]:
+    """The cache's heaps' used bytes (``mmapcache.describe``), and each field's used bytes and elements."""
+    fields = [f for f in mmapcache.describe(path)["fields"] if f["heap"] is not None]
+    used = sum(f["heap"]["used"] for f in fields)
+    return used, ", ".join(f"{f['name']} {f['heap']['used']:,} B ({f.get('stored') or f['dtype']}, "
+                           f"{f.get('elements', 0):,} elements)" for f in fields)
 
 
 def _cold(cfg: Config, results: Results, corpus: Corpus, tmp: str) -> None:
