@@ -84,8 +84,21 @@ TARGETS: dict[str, Target] = {
     **{f"text.b{b}.nw{w}.vs_hf": Target(
         "text", f"text b{b} nw{w}: ds.loader+PadCollate vs HF datasets+pad_sequence", ">=", 4.0)
        for w in (0, 2) for b in (64, 256)},
+    # ... and issue 40's model-ready batches: TextCollate's dict of plain tensors (the mask made from the lengths)
+    # against the same two, and its padding-free batches against a raw gather of the token values from the heap
+    **{f"text.b{b}.nw{w}.dict_vs_list": Target(
+        "text", f"text b{b} nw{w}: ds.loader+TextCollate (dict of tensors) vs list of dicts+pad_sequence", ">=", 1.5)
+       for w in (0, 2) for b in (64, 256)},
+    **{f"text.b{b}.nw{w}.dict_vs_hf": Target(
+        "text", f"text b{b} nw{w}: ds.loader+TextCollate (dict of tensors) vs HF datasets+pad_sequence", ">=", 4.0)
+       for w in (0, 2) for b in (64, 256)},
+    **{f"text.b{b}.nw0.flat_vs_floor": Target(
+        "text", f"text b{b} nw0: ds.loader+TextCollate(flatten=True) vs raw heap gather of the token values", ">=",
+        0.9) for b in (64, 256)},
     "text.cache_bytes_vs_hf": Target("text", "text: cache bytes on /dev/shm vs HF Arrow bytes (int32 ids, int8 mask)",
                                      "<=", 1.0),
+    "text.narrowed_bytes_vs_hf": Target(
+        "text", "text: narrowed cache (store_as int32 ids, mask as ones) bytes vs HF Arrow bytes", "<=", 1.2),
     "text.cold": Target("text", "text: cold epoch time, new cache + ds.loader vs 20 us source", "<=", 1.3),
     "text.getitem_over_source": Target("text", "text: ds[i] cold, us over the 20 us source", "<=", 10.0),
     "text.build_scaling": Target("text", "text: build, 2 workers vs 1 (CPU-bound text source)", ">=", 1.6),

@@ -3,18 +3,24 @@
 A corpus of ``{"input_ids", "attention_mask", "text", "label"}`` samples: int64 token ids of 16..2048 tokens
 (lognormal, mean 298), a mask of ones as long, a str of 4 characters a token, an int label; a 20 us source. Every
 side runs one torch thread (``torch.set_num_threads(1)``; DataLoader workers run one already), shuffles with a
-seeded permutation and pads each batch to its longest sample. Measured:
+seeded permutation and pads each batch to its longest sample (or flattens it). Measured:
 
 1. Warm epochs, samples/s and tokens/s (real tokens, not padding), at batch 64 and 256 with ``num_workers`` 0 and
-   2: one ``interleave`` per table over the sides in ``READERS`` (``ds.loader`` with ``PadCollate``, a list of
-   dicts + ``pad_sequence``, HF ``datasets``, litdata, and the floor: a numpy gather into a zeroed padded array).
-   Before any timing, every side's batches for the same indices are checked equal to the floor's.
-2. Memory: the cache's bytes on ``/dev/shm`` (du), the values' own bytes, HF's Arrow files' bytes.
+   2: one ``interleave`` per table over the sides in ``READERS``: ``ds.loader`` with ``PadCollate``; with
+   ``TextCollate`` (a dict of plain tensors, the mask built from the lengths), padding-free
+   (``TextCollate(flatten=True)``) and over a second cache storing the ids as int32 and the mask as ones
+   (``store_as``); a list of dicts + ``pad_sequence``, HF ``datasets``, litdata; and two floors: a numpy gather
+   into a zeroed padded array, and (for flat batches) a raw gather of the token values from the cache's heap file.
+   Before any timing, every side's batches for the same indices are checked equal to the floor's. Targets: both
+   mmapcache padded sides against the list of dicts and HF; the flat side against the heap gather (without workers:
+   the floor is one process).
+2. Memory: the plain and the narrowed cache's bytes on ``/dev/shm`` (du) and their heaps' used bytes (describe),
+   the values' own bytes, HF's Arrow files' bytes.
 3. Cold: a new cache's first ``ds.loader`` epoch against the bare source through a DataLoader; ``ds[i]`` on a new
    cache, microseconds over the source; ``mmapcache.build`` with 2 workers against 1 on a CPU-bound text source.
 
-The corpus and its sources are in ``text_corpus``; the sides of the warm tables in ``text_sides`` (``READERS``: a new
-side is one entry there).
+The corpus and its sources are in ``text_corpus``; what a side is in ``text_reader``; the sides in ``text_sides``
+and ``text_model_sides`` (``text_sides.READERS``: a new side is one entry there).
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ from benchmark.groups.text_corpus import (
     pad_collate,
     write_corpus,
 )
-from benchmark.groups.text_sides import READERS, Floor, Litdata, Reader, du, hf_save
+from benchmark.groups.text_model_sides import STORE_AS, narrowed_cache
+from benchmark.groups.text_reader import Reader
+from benchmark.groups.text_sides import READERS, Floor, Litdata, du, hf_save
 from benchmark.workloads import workspace
 from mmapcache import MmapCachedDataset, PadCollate
 
@@ -133,10 +141,17 @@ def _table(cfg: Config, results: Results, readers: list[Reader], batch: int, wor
         else:
             results.row("text", f"{labels[reader.name]}, tokens/s", cmp.rate(reader.name) * mean, "tokens/s",
                         f"best round's samples/s x {mean:.1f} tokens a sample (padding not counted)", cmp.load())
-    for other, key in (("list", "vs_list"), ("hf", "vs_hf")):
-        if other in cmp.sides:
-            results.compared(f"text.b{batch}.nw{workers}.{key}", cmp, "mmapcache", other, note)
-    info(results, "text", cmp, "mmapcache", "floor", f"text {where}: mmapcache vs the numpy floor")
+    for side, key in (("mmapcache", ""), ("dict", "dict_")):  # PadCollate's Padded, TextCollate's plain tensors
+        for other in ("list", "hf"):
+            if other in cmp.sides:
+                results.compared(f"text.b{batch}.nw{workers}.{key}vs_{other}", cmp, side, other, note)
+        info(results, "text", cmp, side, "floor", f"text {where}: {side} vs the numpy floor")
+    # The flat floor is one process: a target without workers only (with them it measures the DataLoader's hand-off).
+    if workers == 0:
+        results.compared(f"text.b{batch}.nw0.flat_vs_floor", cmp, "flat", "flatfloor", note)
+    else:
+        info(results, "text", cmp, "flat", "flatfloor", f"text {where}: flat vs the flat floor (heap gather)")
+    info(results, "text", cmp, "narrowed", "dict", f"text {where}: narrowed cache vs the plain one, both TextCollate")
 
 
 def _memory(results: Results, corpus: Corpus, tmp: str, ds: MmapCachedDataset) -> None:
@@ -148,6 +163,20 @@ def _memory(results: Results, corpus: Corpus, tmp: str, ds: MmapCachedDataset) -
                 "bytes", note, load)
     results.row("text", "text memory: mmapcache cache on /dev/shm (du)", cache, "bytes", note, load)
     results.row("text", "ratio text memory: cache bytes vs the values' bytes", cache / values, "x", note, load)
+    narrowed = narrowed_cache(corpus, tmp)
+    try:
+        narrow = du(narrowed.path)
+        heaps = {name: _heaps(path) for name, path in (("plain", ds.path), ("narrowed", narrowed.path))}
+    finally:
+        narrowed.close()
+    results.row("text", "text memory: narrowed cache (int32 ids, mask as ones) on /dev/shm (du)", narrow, "bytes",
+                f"N={corpus.n}, store_as={STORE_AS}", load)
+    for name, (used, fields) in heaps.items():
+        results.row("text", f"text memory: {name} cache's heaps, used bytes (describe)", used, "bytes", fields, load)
+    results.row("text", "ratio text memory: narrowed cache bytes vs the values' bytes", narrow / values, "x", note,
+                load)
+    results.row("text", "ratio text memory: narrowed cache bytes vs the plain cache's", narrow / cache, "x", note,
+                load)
     if importlib.util.find_spec("datasets") is None:
         results.row("text", "text memory: HF datasets Arrow files", None, "bytes", "skipped: pip install datasets")
         return
@@ -158,6 +187,16 @@ def _memory(results: Results, corpus: Corpus, tmp: str, ds: MmapCachedDataset) -
     note = f"N={corpus.n}, given int32 input_ids and int8 attention_mask; HF stored: {features}"
     results.row("text", "text memory: HF datasets Arrow files (save_to_disk)", arrow, "bytes", note, load)
     results.target("text.cache_bytes_vs_hf", cache / arrow, load, f"cache {cache:,} B, Arrow {arrow:,} B; {note}")
+    results.target("text.narrowed_bytes_vs_hf", narrow / arrow, load,
+                   f"narrowed cache {narrow:,} B, Arrow {arrow:,} B; {note}")
+
+
+def _heaps(path: str) -> tuple[int, str]:
+    """The cache's heaps' used bytes (``mmapcache.describe``), and each field's used bytes and elements."""
+    fields = [f for f in mmapcache.describe(path)["fields"] if f["heap"] is not None]
+    used = sum(f["heap"]["used"] for f in fields)
+    return used, ", ".join(f"{f['name']} {f['heap']['used']:,} B ({f.get('stored') or f['dtype']}, "
+                           f"{f.get('elements', 0):,} elements)" for f in fields)
 
 
 def _cold(cfg: Config, results: Results, corpus: Corpus, tmp: str) -> None:

@@ -1,6 +1,8 @@
-"""The sides of the text group's warm tables: each a way to read the corpus in shuffled batches padded to their
-longest, listed in ``READERS``. A new side (a dict collate, padding-free batches, narrowed dtypes) is a ``Reader``
-subclass and one entry there: it then runs in every table and is checked against the floor before any timing.
+"""The sides of the text group's warm tables, listed in ``READERS``: the numpy floor, ``ds.loader`` with
+``PadCollate``, and what LLM users read the corpus with otherwise (a list of dicts, HF ``datasets``, litdata); the
+sides that yield what a model takes (``TextCollate``) are in ``text_model_sides``. A new side is a ``Reader``
+subclass (``text_reader``) and one entry in ``READERS``: it then runs in every table and is checked against the
+floor before any timing.
 
 litdata runs in a child process (``litdata_child``): ``litdata.optimize`` switches its process's multiprocessing
 start method to spawn, and the child times its own epochs.
@@ -21,39 +23,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from benchmark import epochs
 from benchmark.core import Timed
 from benchmark.groups.text_corpus import SEED, Corpus, open_corpus, pad_collate
+from benchmark.groups.text_model_sides import Flat, FlatFloor, Narrowed, TextDict
+from benchmark.groups.text_reader import LoaderReader, Reader
 from mmapcache import MmapCachedDataset, PadCollate
-
-
-class Reader:
-    """One way to read the corpus in batches padded to their longest, shuffled.
-
-    ``epoch(batch, workers)`` returns one warm epoch's work for ``interleave`` (its loader persists between calls);
-    ``batches(index_lists)`` the batches of those indices as ``{"input_ids", "attention_mask", "labels": int64
-    tensors, "text": list of str or None}``, checked against the floor's (a side that yields another form, such as
-    flattened ids with ``cu_seqlens``, converts its batches to this one here). ``skipped``: why the side cannot run.
-    """
-
-    name = ""
-    label = ""
-    skipped = ""
-
-    def __init__(self, corpus: Corpus, tmp: str, ds: MmapCachedDataset) -> None:
-        self.corpus = corpus
-
-    def epoch(self, batch: int, workers: int) -> Callable[[], Timed | None]:
-        raise NotImplementedError
-
-    def batches(self, index_lists: list[list[int]]) -> list[dict[str, Any]]:
-        raise NotImplementedError
-
-    def release(self) -> None:
-        """Ends the workers of the loaders made so far (after each table)."""
-
-    def close(self) -> None:
-        self.release()
 
 
 class Floor(Reader):
@@ -94,32 +68,6 @@ class Floor(Reader):
             out.append({"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask),
                         "labels": torch.from_numpy(labels), "text": None})
         return out
-
-
-class LoaderReader(Reader):
-    """A side whose loader is a torch ``DataLoader`` (or one that takes its arguments): ``make(**kwargs)``."""
-
-    def __init__(self, corpus: Corpus, tmp: str, ds: MmapCachedDataset) -> None:
-        super().__init__(corpus, tmp, ds)
-        self.loaders: list[Any] = []
-
-    def make(self, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    def canonical(self, batch: Any) -> dict[str, Any]:
-        return batch
-
-    def epoch(self, batch: int, workers: int) -> Callable[[], None]:
-        loader = self.make(batch_size=batch, shuffle=True, num_workers=workers, persistent_workers=workers > 0)
-        self.loaders.append(loader)
-        return epochs.epoch(loader)
-
-    def batches(self, index_lists: list[list[int]]) -> list[dict[str, Any]]:
-        flat = [i for rows in index_lists for i in rows]
-        return [self.canonical(b) for b in self.make(batch_size=len(index_lists[0]), sampler=flat)]
-
-    def release(self) -> None:
-        self.loaders.clear()  # persistent workers end with their iterator, once nothing holds the loader
 
 
 class Cached(LoaderReader):
@@ -301,7 +249,7 @@ def litdata_child(conn: Any, paths: dict[str, str], out: str, log: str) -> None:
 
 
 # Every side of the warm tables, in the order they run and are shown; a new side is one entry here.
-READERS: list[type[Reader]] = [Cached, ListOfDicts, HFDatasets, Litdata, Floor]
+READERS: list[type[Reader]] = [Cached, TextDict, Flat, Narrowed, ListOfDicts, HFDatasets, Litdata, Floor, FlatFloor]
 
 
 def du(path: str) -> int:
