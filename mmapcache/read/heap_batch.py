@@ -21,7 +21,7 @@ import torch
 from .gather import alloc_shared
 from .ragged import gather_ragged
 
-__all__ = ["Located", "WarmRows", "bits_of", "fill_padded", "filled", "gathered", "mask_of", "padded_tensor",
+__all__ = ["Located", "WarmRows", "bits_of", "fill_padded", "filled", "flat_tensor", "mask_of", "padded_tensor",
            "same_storage"]
 
 # At or below this many elements per value on average, values are padded by one vectorised scatter; above, each is
@@ -185,10 +185,9 @@ def _texts(kind: str, index: np.ndarray, heap: Any, rows: np.ndarray) -> list[An
     if len(rows) and (int(offsets.min()) < 0 or int(lengths.min()) < 0 or end > len(buf)):
         return None
     data = buf.data
-    values = [data[o:o + n].tobytes() for o, n in zip(offsets.tolist(), lengths.tolist())]
     if kind == "bytes":
-        return values
-    return [v.decode("utf-8", "surrogatepass") for v in values]
+        return [data[o:o + n].tobytes() for o, n in zip(offsets.tolist(), lengths.tolist())]
+    return [str(data[o:o + n], "utf-8", "surrogatepass") for o, n in zip(offsets.tolist(), lengths.tolist())]
 
 
 # --- filling the batch's tensors --------------------------------------------------------------------------------
@@ -252,22 +251,30 @@ def _fill_rows(target: np.ndarray, elements: np.ndarray, starts: np.ndarray, len
         target[k, :length] = elements[start:start + length]
 
 
-def gathered(located: Located) -> np.ndarray:
-    """The located values back to back, in a new array (one copy; consecutive values of a part: one slice)."""
-    pieces = []
+def flat_tensor(located: Located, dtype: torch.dtype) -> torch.Tensor:
+    """A ``(T,)`` tensor of ``dtype``: the located values back to back, copied once (converted on the way: a
+    narrower stored dtype); consecutive values of a part in one slice. A dtype numpy lacks is filled as its bits."""
+    bits = bits_of(dtype)
+    total = int(located.lengths.sum())
+    out = filled((total,), 0, bits or dtype) if torch.utils.data.get_worker_info() is not None else torch.empty(
+        total, dtype=bits or dtype)
+    target, at = out.numpy(), 0
     for elements, starts, lengths in located.parts:
         if len(lengths) and bool((starts[1:] == starts[:-1] + lengths[:-1]).all()):
-            pieces.append(elements[int(starts[0]):int(starts[-1] + lengths[-1])])
-        else:
-            pieces += [elements[s:s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
-    if not pieces:
-        return located.parts[0][0][:0].copy() if located.parts else np.empty(0, np.int64)
-    return np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
+            size = int(lengths.sum())
+            target[at:at + size] = elements[int(starts[0]):int(starts[0]) + size]
+            at += size
+            continue
+        for start, length in zip(starts.tolist(), lengths.tolist()):
+            target[at:at + length] = elements[start:start + length]
+            at += length
+    return out if bits is None else out.view(dtype)
 
 
 def mask_of(lengths: np.ndarray, width: int, dtype: torch.dtype) -> torch.Tensor:
     """``(B, width)``: 1 (True) where position ``j < lengths[k]``, else 0."""
     out = filled((len(lengths), width), 0, dtype)
-    if len(lengths) and width:
-        out.numpy()[...] = np.arange(width) < lengths[:, None]
+    target = out.numpy()
+    for k, length in enumerate(lengths.tolist()):  # (a row at a time: 2x one broadcast comparison and its cast)
+        target[k, :length] = 1
     return out

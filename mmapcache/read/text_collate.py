@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from .heap_batch import Located, WarmRows, bits_of, gathered, mask_of, padded_tensor
+from .heap_batch import Located, WarmRows, bits_of, flat_tensor, mask_of, padded_tensor
 
 __all__ = ["TextCollate"]
 
@@ -160,14 +160,13 @@ class TextCollate:
                 if not np.array_equal(located.lengths, lengths):
                     raise ValueError(f"TextCollate(flatten=True): field {name!r}'s values are not as long as the "
                                      f"first flattened field's: one row of tokens needs fields of equal lengths")
-                out[name] = _tensor(np.ascontiguousarray(gathered(located)), dtype)[None, :]
+                out[name] = flat_tensor(located, dtype)[None, :]
             elif name in rest:
                 out[name] = rest[name]
-        total = int(lengths.sum())
         cu = np.zeros(len(lengths) + 1, np.int32)
         np.cumsum(lengths, out=cu[1:])
         starts = cu[:-1].astype(np.int64)
-        out["position_ids"] = torch.from_numpy(np.arange(total, dtype=np.int64) - np.repeat(starts, lengths))[None]
+        out["position_ids"] = torch.from_numpy(_positions(lengths, int(cu[-1])))[None]
         if self.labels is not None:
             labels = out[self.labels].clone()
             first = starts[lengths > 0]
@@ -277,11 +276,15 @@ def _target(field: Any) -> torch.dtype:
 
 
 
-def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    if tensor.dtype == dtype:
-        return tensor
-    return tensor.view(dtype) if bits_of(dtype) is not None else tensor.to(dtype)
+def _positions(lengths: np.ndarray, total: int) -> np.ndarray:
+    """Each token's position in its sample, ``0 .. length - 1`` sample after sample: ones summed, each sample's first
+    step set to go back to 0 (one pass over the tokens, no index arrays as long as them)."""
+    steps = np.ones(total, np.int64)
+    kept = lengths[lengths > 0]
+    if len(kept):
+        steps[0] = 0
+        steps[np.cumsum(kept)[:-1]] = 1 - kept[:-1]
+    return np.cumsum(steps, out=steps)
 
 
 def _located(flat: np.ndarray, lengths: np.ndarray) -> Located:
