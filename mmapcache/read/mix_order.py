@@ -16,8 +16,8 @@ before it, so one int64 array is the epoch's order, which ``read.epoch_split`` c
   holds ``composition[j, s]`` samples of source ``s``, grouped by source: the next ones of that source's sequence.
   With a random mix the compositions are those of a uniformly random interleaving of the sources' samples (the
   counts split between halves of the epoch by hypergeometric draws, halves again, down to units), so the order is
-  distributed as a shuffle of every sample drawn, grouped by source within each batch; with ``per_batch`` each
-  source's samples are spread evenly over the epoch, so every unit holds each source within one of its share. A
+  distributed as a shuffle of every sample drawn, grouped by source within each batch; with ``per_batch`` every
+  unit holds each source's share of it rounded down or up (within one), the epoch each count exactly. A
   rank's batch is a unit (``read.epoch_split.blocks``), read one gather per source (``read.mix_batches``).
 """
 
@@ -172,16 +172,28 @@ def _random_split(counts: np.ndarray, sizes: np.ndarray, rng: np.random.Generato
 
 
 def _spread(counts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """``(units, sources)``: each source's ``c`` samples spread evenly over the epoch (its ``k``-th at ``(k + 1/2) *
-    total / c``, ties to the earlier source), counted per unit: any unit holds each source within one of its share,
-    and the epoch the counts exactly."""
-    total = int(counts.sum())
-    sources = np.repeat(np.arange(len(counts)), counts)
-    ks = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-    at = (2 * ks + 1) * total / (2.0 * np.repeat(np.maximum(counts, 1), counts))
-    placed = sources[np.argsort(at, kind="stable")]
-    units = np.repeat(np.arange(len(sizes)), sizes)
-    return np.bincount(units * len(counts) + placed, minlength=len(sizes) * len(counts)).reshape(len(sizes), -1)
+    """``(units, sources)``: each unit of ``sizes`` holds each source's share of it (``size x count / total``)
+    rounded down or up, the units summing to each source's count exactly. Unit by unit, each source gets its share
+    rounded down, and the units left go to the sources owed most so far (what they were given minus their exact
+    shares; ties to the earlier source): that keeps every source within one sample of its exact running total, so
+    each unit's count is within one of its share (a controlled rounding of the proportional matrix). In integers
+    (shares scaled by the total): the same in every process."""
+    counts_ = [int(c) for c in counts]
+    total = sum(counts_)
+    out = np.zeros((len(sizes), len(counts_)), np.int64)
+    if not total:
+        return out
+    owed = [0] * len(counts_)  # per source: (given - exact share) x total, so far
+    for j, size in enumerate(sizes.tolist()):
+        shares = [divmod(size * count, total) for count in counts_]
+        left = size - sum(whole for whole, _ in shares)
+        ahead = [owed[s] - part for s, (_, part) in enumerate(shares)]  # given - exact after the rounded-down share
+        more = set(sorted(range(len(counts_)), key=lambda s: (ahead[s], s))[:left])
+        for s, (whole, _) in enumerate(shares):
+            extra = s in more
+            out[j, s] = whole + extra
+            owed[s] = ahead[s] + extra * total
+    return out
 
 
 def source_of(ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
