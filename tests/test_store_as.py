@@ -347,3 +347,22 @@ def test_a_mixture_reads_a_narrowed_sources_values_in_the_fields_dtype_whatever_
         assert seen == N + 1
     plain.close()
     narrow.close()
+
+
+def test_a_first_sample_with_an_empty_list_of_ids_is_narrowed_as_its_probes_say(cache_path: str) -> None:
+    """Hugging Face's default format gives token ids as lists; an empty one first has no dtype of its own (numpy
+    makes it float64): store_as was refused as 'holds float64' before the probes were read."""
+
+    class Lists(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 30
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"input_ids": [i * 100 + k for k in range(i % 5)], "label": i}
+
+    ds = MmapCachedDataset(cache_path, Lists(), store_as={"input_ids": "int32"})
+    ds.fill()
+    for i in range(30):
+        assert ds[i] == Lists()[i]
+    assert _meta(cache_path)["fields"][0]["stored"] == "<i4"
+    ds.close()

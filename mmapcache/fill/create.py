@@ -92,7 +92,9 @@ def create_locked(request: Request, source: Source) -> None:
     index = first_index(options, source.length, request.seed)
     sample = source.fetch(index)
     try:
-        layout = Layout.from_samples([sample], options.max_shapes, options.declared_ragged, options.store_as)
+        # (store_as is applied to the layout learnt from the probes where there are some: an empty list of numbers
+        # in the first sample has its dtype from them.)
+        layout = Layout.from_samples([sample], options.max_shapes, options.declared_ragged)
     except LayoutError as exc:
         raise LayoutError(f"sample {index}: {exc}") from None
     samples = [(index, sample)]
@@ -114,10 +116,10 @@ def create_locked(request: Request, source: Source) -> None:
     # A source that refills one buffer for every sample (whole, or at shifting offsets) has overwritten the earlier
     # samples' values by now (their shapes, all the layout needs, are intact): each is computed again when stored.
     refills = len(samples) > 1 and overlaps([arrays_of(s) for _, s in samples])
-    if auto:
+    if auto or options.store_as:
         try:
-            layout = Layout.from_samples([s for _, s in samples], options.max_shapes, options.declared_ragged,
-                                         options.store_as)
+            layout = Layout.from_samples([s for _, s in samples] if auto else [sample], options.max_shapes,
+                                         options.declared_ragged, options.store_as)
         except LayoutError as exc:
             raise LayoutError(f"sample {index}: {exc}") from None
     ragged_bytes = _ragged_bytes(layout, [s for _, s in samples])
