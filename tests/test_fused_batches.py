@@ -134,6 +134,6 @@ def test_an_index_row_that_describes_no_value_is_reported_not_read(cache_path: s
     index.flush()
     del index
     with MmapCachedDataset(cache_path, Tokenized(N), fingerprint="tokens") as ds, pytest.raises(
-            CacheFormatError, match="row 4, field 'input_ids': the stored value cannot be read.*the cache is damaged"):
+            CacheFormatError, match=r"row 4, field 'input_ids': the stored value cannot be read.*the cache is damaged"):
         for _ in ds.loader(batch_size=8, collate_fn=collate):
             pass

@@ -75,16 +75,113 @@ def test_pad_values_labels_and_a_multiple(cache_path: str) -> None:
                                                                           "labels": -100}[key]).all())
 
 
-def test_a_stored_mask_is_built_not_read_and_can_be_padded_instead(cache_path: str) -> None:
-    """The stored all-ones mask is not read (the batch's is built from input_ids' lengths); with
-    attention_mask=None it is padded as stored, with 0."""
+def test_a_stored_mask_is_the_batchs_and_build_mask_builds_one(cache_path: str) -> None:
+    """The samples' own mask is padded with 0 (its zeros kept: a tokenizer's padding); build_mask=True builds it
+    from input_ids' lengths instead (an all-ones stored mask, not read)."""
     source = Tokenized(N)
     with MmapCachedDataset(cache_path, source) as ds:
         ds.fill()
-        built = next(iter(ds.loader(batch_size=9, collate_fn=TextCollate())))
-        stored = next(iter(ds.loader(batch_size=9, collate_fn=TextCollate(attention_mask=None))))
+        stored = next(iter(ds.loader(batch_size=9, collate_fn=TextCollate())))
+        built = next(iter(ds.loader(batch_size=9, collate_fn=TextCollate(build_mask=True))))
         assert torch.equal(built["attention_mask"], stored["attention_mask"])
         assert torch.equal(built["input_ids"], stored["input_ids"])
+
+
+class PrePadded(torch.utils.data.Dataset):
+    """Samples a tokenizer padded in a batched ``map``: ids with pad tokens (0), a mask with zeros on them, seq2seq
+    ``labels`` of other lengths, and the labels column first (as when targets are tokenized first)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        real, padded = 1 + i % 4, 4 + (i // 4) * 2
+        ids = torch.zeros(padded, dtype=torch.int64)
+        ids[:real] = torch.arange(real) + 1000 * i + 1
+        mask = torch.zeros(padded, dtype=torch.int64)
+        mask[:real] = 1
+        return {"labels": torch.full((2 + i % 7,), i), "input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_the_mask_is_the_samples_own_and_each_field_pads_to_its_own_longest(cache_path: str, cached: bool) -> None:
+    """A stored mask with zeros keeps them (it was rebuilt from input_ids' lengths: pad tokens attended), a
+    ``labels`` column first does not make the mask (it was built from the first padded field), and labels longer
+    than input_ids are padded to their own longest with -100 (input_ids were padded to the labels' width)."""
+    source = PrePadded()
+    collate = TextCollate(pad={"input_ids": 0})
+    if cached:
+        ds = MmapCachedDataset(cache_path, source, ragged=["labels", "input_ids", "attention_mask"])
+        ds.fill()
+        batches = list(ds.loader(batch_size=6, collate_fn=collate))
+        ds.close()
+    else:
+        batches = list(torch.utils.data.DataLoader(source, batch_size=6, collate_fn=collate))
+    for k, batch in enumerate(batches):
+        samples = [source[i] for i in range(6 * k, 6 * k + 6)]
+        ids_width = max(len(x["input_ids"]) for x in samples)
+        assert batch["input_ids"].shape == batch["attention_mask"].shape == (6, ids_width)
+        for row, x in enumerate(samples):
+            assert torch.equal(batch["attention_mask"][row, :len(x["attention_mask"])], x["attention_mask"])
+            assert not batch["attention_mask"][row, len(x["attention_mask"]):].any()
+            assert torch.equal(batch["labels"][row, :len(x["labels"])], x["labels"])
+            assert (batch["labels"][row, len(x["labels"]):] == -100).all()
+        assert batch["labels"].shape[1] == max(len(x["labels"]) for x in samples)
+
+
+def test_labels_from_a_field_do_not_replace_the_samples_own() -> None:
+    own = [{"input_ids": torch.tensor([5, 6, 7, 8]), "labels": torch.tensor([-100, -100, 7, 8])},
+           {"input_ids": torch.tensor([9, 10, 11]), "labels": torch.tensor([-100, 10, 11])}]
+    with pytest.raises(ValueError, match=r"labels='input_ids'\) would replace the samples' own 'labels' field.*"
+                                         r"leave labels= out"):
+        TextCollate(labels="input_ids")(own)
+    batch = TextCollate(pad=0)(own)  # (their labels padded with -100, not the pad id)
+    assert batch["labels"].tolist() == [[-100, -100, 7, 8], [-100, 10, 11, -100]]
+
+
+@pytest.mark.parametrize("form", ["tensors", "lists", "one length"])
+def test_every_batch_has_the_same_keys_whatever_its_lengths(form: str) -> None:
+    """What is padded is decided by the fields' types, not by whether a batch's lengths differ: a batch of one
+    sample, or of samples of one length, is padded as any other (it was stacked, or lists were transposed, or
+    labels= was refused at an epoch's last batch of one sample)."""
+    def sample(n: int) -> dict[str, Any]:
+        ids = list(range(1, n + 1)) if form == "lists" else torch.arange(1, n + 1)
+        return {"input_ids": ids, "label": n}
+
+    collate = TextCollate(labels="input_ids")
+    lengths = {"one length": [3, 3, 3], "tensors": [3, 1, 2], "lists": [2, 3, 1]}[form]
+    for batch_samples in ([sample(n) for n in lengths], [sample(lengths[0])]):
+        batch = collate(batch_samples)
+        assert set(batch) == {"input_ids", "attention_mask", "labels", "label"}
+        assert batch["input_ids"].shape == (len(batch_samples), max(len(x["input_ids"]) for x in batch_samples))
+        assert batch["input_ids"].dtype == torch.int64 and batch["attention_mask"].sum() == sum(
+            len(x["input_ids"]) for x in batch_samples)
+
+
+def test_fixed_length_blocks_are_padded_and_labelled_as_any_tokens(cache_path: str) -> None:
+    """run_clm's blocks (every sample 16 tokens, a tensor: stored in fixed rows, not ragged) give labels too."""
+
+    class Blocks(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 20
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"input_ids": torch.arange(16) + 100 * i, "attention_mask": torch.ones(16, dtype=torch.int64)}
+
+    with MmapCachedDataset(cache_path, Blocks()) as ds:
+        ds.fill()
+        collate = TextCollate(labels="input_ids")
+        for batch in ds.loader(batch_size=8, collate_fn=collate):
+            first = batch["input_ids"][:, 0] // 100
+            expected = collate([Blocks()[int(i)] for i in first])
+            assert same(batch, expected)
+            assert torch.equal(batch["labels"], batch["input_ids"]) and batch["attention_mask"].all()
+
+
+def test_an_empty_list_of_ids_takes_the_batchs_dtype() -> None:
+    batch = TextCollate()([{"input_ids": []}, {"input_ids": [5, 6, 7]}])
+    assert batch["input_ids"].dtype == torch.int64 and batch["input_ids"].tolist() == [[0, 0, 0], [5, 6, 7]]
+    assert batch["attention_mask"].tolist() == [[0, 0, 0], [1, 1, 1]]
 
 
 def test_flattened_batches_match_hugging_faces_flattening_collator(cache_path: str) -> None:
@@ -104,6 +201,20 @@ def test_flattened_batches_match_hugging_faces_flattening_collator(cache_path: s
                             batch[key] == value), key
                 assert batch["text"] == [source[i]["text"] for i in indices]
                 assert torch.equal(batch["label"], torch.tensor([source[i]["label"] for i in indices]))
+
+
+def test_a_flattened_batch_leaves_empty_samples_out_of_its_boundaries_as_hugging_faces() -> None:
+    transformers = pytest.importorskip("transformers")
+    samples = [{"input_ids": [5, 6]}, {"input_ids": []}, {"input_ids": [7, 8, 9]}, {"input_ids": []}]
+    ours = TextCollate(flatten=True, labels="input_ids")(samples)
+    theirs = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(samples)
+    for key, value in theirs.items():
+        assert (torch.equal(ours[key], value) if isinstance(value, torch.Tensor) else ours[key] == value), key
+    own = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}]
+    assert TextCollate(flatten=True)(own)["labels"].tolist() == [[-100, 6, 7, -100, 9]]  # each first token masked
+    with pytest.raises(ValueError, match="pad_to_multiple_of rounds up padded rows; a flattened batch has no "
+                                         "padding"):
+        TextCollate(flatten=True, pad_to_multiple_of=8)
 
 
 def test_ranks_and_a_resume_at_every_step_serve_the_sources_values(cache_path: str) -> None:

@@ -67,15 +67,17 @@ class WarmRows:
         return all(reader.state.changes[0] == counter for (reader, _), counter in zip(self.parts, self._counters))
 
     def paddable(self, k: int) -> bool:
-        """Whether field ``k`` is a 1-D ragged field of numbers (what ``located`` finds)."""
+        """Whether field ``k`` is a 1-D field of numbers, ragged or in fixed rows (what ``located`` finds)."""
         field = self.fields[k]
-        return field.ragged and len(field.shape) == 1 and field.kind not in _NOT_PADDED
+        return len(field.shape) == 1 and field.kind not in _NOT_PADDED and not field.variable
 
     def located(self, k: int) -> Located | None:
         """Field ``k``'s values (a 1-D ragged field of numbers), in their heaps; None if an index row describes no
         value there (damage, or a row being rewritten: the checked path says which). The index rows of every part
         are checked at once (a mixture's batch: one check for all its sources)."""
         fields = [reader.fields[k] for reader, _ in self.parts]
+        if not fields[0].ragged:  # fixed rows: value r is row r of the field's array, whole
+            return self._located_fixed(k)
         entries = [reader.store.index[k].take(rows, 0) for reader, rows in self.parts]  # (take: 3x indexing's speed)
         every = entries[0] if len(entries) == 1 else np.concatenate(entries)
         lengths = every[:, 2]
@@ -107,6 +109,17 @@ class WarmRows:
             parts.append((elements, offsets[a:a + size] // dtype.itemsize, lengths[a:a + size]))
             a += size
         return Located(parts, lengths)
+
+    def _located_fixed(self, k: int) -> Located:
+        """``located`` for a 1-D field in fixed rows (its length the field's): each part's rows in its array."""
+        parts, lengths = [], []
+        for reader, rows in self.parts:
+            data = reader.data[k]
+            width = data.shape[1] if data.ndim > 1 else 1
+            part = np.full(len(rows), width, np.int64)
+            parts.append((data.reshape(-1), rows * width, part))
+            lengths.append(part)
+        return Located(parts, lengths[0] if len(lengths) == 1 else np.concatenate(lengths))
 
     @staticmethod
     def _remapped(heaps: list[Any], ends: np.ndarray, sizes: list[int], every: np.ndarray, itemsize: Any) -> bool:

@@ -2,19 +2,28 @@
 
 ``model(**batch)`` and Hugging Face's ``Trainer`` take a dict of plain tensors: ``input_ids`` padded with the
 tokenizer's pad id, an ``attention_mask`` of ones on the real tokens, ``labels`` padded with -100. ``TextCollate``
-makes that from samples that are dicts of fields: each ragged 1-D field it pads (``fields``, default every one) is
-padded with its own value (``pad``), the attention mask is built once from the first padded field's lengths (a
-field of that name in the samples is not read: pass ``attention_mask=None`` to pad it as stored), ``labels`` may be
-made from a field (padded with ``ignore_index``), and every other field is collated as ``default_collate`` collates
-it. With ``flatten=True`` the batch is padding-free, as Hugging Face's ``DataCollatorWithFlattening`` makes it for
-flash-attention's variable-length kernels: one row of every token (``input_ids`` ``(1, T)``), ``position_ids``
-restarting at 0 with each sample, ``labels`` with ``ignore_index`` at each sample's first token, and the samples'
-boundaries ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32, ``B + 1``) and ``max_length_q``/``max_length_k``.
+makes that from samples that are dicts of fields:
 
-Over any dataset it works as a ``collate_fn`` (from the samples). Given to ``ds.loader()`` (or a mixture's), a
-warm batch is copied straight from the caches' heaps into the padded (or flat) tensors, one copy per token
-(``read_parts``, ``read.heap_batch``); values stored narrower than the source gave them (``store_as``) are widened
-by that copy. What it pads or flattens comes back in the source's dtype.
+- every 1-D field of numbers (a tensor, array or list of numbers, whatever its length: ``fields`` chooses others)
+  is padded to its own longest value in the batch (rounded up to ``pad_to_multiple_of``), with its own pad value
+  (``pad``; a ``labels`` field with ``ignore_index`` unless ``pad`` names it);
+- the attention mask is the samples' own (``attention_mask``, padded with 0: a tokenizer's mask that already holds
+  zeros keeps them), or, where the samples have none (or ``build_mask``), built from the lengths of ``mask_from``
+  (default ``input_ids``): 1 on the tokens, 0 on the padding;
+- ``labels="input_ids"`` also returns that field as ``labels``, padded with ``ignore_index`` (a causal language
+  model's labels; masked by length, not by token id: an EOS that is also the pad token stays a label);
+- every other field is collated as ``default_collate`` collates it (``str`` fields: lists).
+
+With ``flatten=True`` the batch is padding-free, as Hugging Face's ``DataCollatorWithFlattening`` makes it for
+flash-attention's variable-length kernels: one row of every token of each padded field (``input_ids`` ``(1, T)``),
+``position_ids`` restarting at 0 with each sample, ``labels`` with ``ignore_index`` at each sample's first token, the
+non-empty samples' boundaries ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32) and ``max_length_q``/``max_length_k``;
+no attention mask (the boundaries are the mask).
+
+Over any dataset it works as a ``collate_fn`` (from the samples), every batch with the same keys. Given to
+``ds.loader()`` (or a mixture's), a warm batch is copied straight from the caches' heaps into the padded (or flat)
+tensors, one copy per token (``read_parts``, ``read.heap_batch``); values stored narrower than the source gave them
+(``store_as``) are widened by that copy. What it pads or flattens comes back in the source's dtype.
 """
 
 from __future__ import annotations
@@ -30,30 +39,35 @@ from .heap_batch import Located, WarmRows, bits_of, flat_tensor, mask_of, padded
 
 __all__ = ["TextCollate"]
 
+_LABELS = "labels"
 
 
 class TextCollate:
     """A ``collate_fn`` for token batches (see the module docstring).
 
     Args:
-        pad: the pad value of every padded field, or per field (``{"input_ids": 0, "labels": -100}``; a field not
-            named is padded with 0).
-        attention_mask: the key of the mask built from the first padded field's lengths (1 on tokens, 0 on
-            padding), or None for no mask (a stored mask is then padded as any field). Not made when flattened.
-        mask_dtype: its dtype (``torch.int64``, as tokenizers return it).
+        pad: the pad value of every padded field, or per field (``{"input_ids": tokenizer.pad_token_id}``; a field
+            not named is padded with 0, a ``labels`` field with ``ignore_index``).
+        attention_mask: the mask's key: the samples' field of that name, padded with 0, or (where they have none)
+            the mask built from ``mask_from``'s lengths; None for no mask (a field of that name is then padded as
+            any other). Not returned when flattened.
+        mask_dtype: a built mask's dtype (``torch.int64``, as tokenizers return it).
+        mask_from: the field whose lengths make a built mask (default ``input_ids`` where padded, else the first
+            padded field).
+        build_mask: build the mask even where the samples have one (an all-ones stored mask need not be read).
         labels: a padded field (``"input_ids"``) whose values are also returned as ``labels``, padded (or, when
-            flattened, each sample's first token masked) with ``ignore_index``: a causal language model's labels.
+            flattened, each sample's first token masked) with ``ignore_index``. Refused where the samples have a
+            ``labels`` field of their own.
         ignore_index: see ``labels`` (-100: what PyTorch's cross entropy and Hugging Face's models ignore).
         flatten: padding-free batches (see the module docstring).
-        pad_to_multiple_of: round the padded length up to a multiple of this (tensor cores like multiples of 8).
-        fields: the fields to pad or flatten (default: every 1-D tensor, array or list of numbers of varying
-            length: a cache's ragged fields).
+        pad_to_multiple_of: round each padded length up to a multiple of this (tensor cores like multiples of 8).
+        fields: the fields to pad or flatten (default: every 1-D field of numbers).
     """
 
     def __init__(self, pad: int | Mapping[str, int] = 0, *, attention_mask: str | None = "attention_mask",
-                 mask_dtype: torch.dtype = torch.int64, labels: str | None = None, ignore_index: int = -100,
-                 flatten: bool = False, pad_to_multiple_of: int | None = None,
-                 fields: Iterable[str] | None = None) -> None:
+                 mask_dtype: torch.dtype = torch.int64, mask_from: str | None = None, build_mask: bool = False,
+                 labels: str | None = None, ignore_index: int = -100, flatten: bool = False,
+                 pad_to_multiple_of: int | None = None, fields: Iterable[str] | None = None) -> None:
         if isinstance(pad, Mapping):
             if not all(isinstance(k, str) and _is_int(v) for k, v in pad.items()):
                 raise TypeError(f"pad must be an int or a dict of field name -> int, got {dict(pad)!r}")
@@ -63,31 +77,42 @@ class TextCollate:
             self.pads, self.default_pad = {}, int(pad)
         else:
             raise TypeError(f"pad must be an int or a dict of field name -> int, got {pad!r}")
-        if attention_mask is not None and not isinstance(attention_mask, str):
-            raise TypeError(f"attention_mask must be a key (str) or None, got {attention_mask!r}")
-        if labels is not None and not isinstance(labels, str):
-            raise TypeError(f"labels must be the name of a padded field (str) or None, got {labels!r}")
+        for name, value in (("attention_mask", attention_mask), ("mask_from", mask_from), ("labels", labels)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a field name (str) or None, got {value!r}")
         if not _is_int(ignore_index):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
         if pad_to_multiple_of is not None and (not _is_int(pad_to_multiple_of) or pad_to_multiple_of < 1):
             raise ValueError(f"pad_to_multiple_of must be an int >= 1, got {pad_to_multiple_of!r}")
+        if pad_to_multiple_of is not None and flatten:
+            raise ValueError("pad_to_multiple_of rounds up padded rows; a flattened batch has no padding (one row of "
+                             "every token): pass one or the other")
         if isinstance(fields, str):
             raise TypeError(f"fields must be a list of field names, got the str {fields!r}; write fields=[{fields!r}]")
         self.attention_mask, self.mask_dtype = attention_mask, mask_dtype
+        self.mask_from, self.build_mask = mask_from, bool(build_mask)
         self.labels, self.ignore_index = labels, int(ignore_index)
         self.flatten, self.multiple = bool(flatten), pad_to_multiple_of
         self.fields = None if fields is None else list(fields)
 
     def pad_of(self, name: str) -> int:
-        return self.pads.get(name, self.default_pad)
+        """The value ``name`` is padded with (a ``labels`` field: ``ignore_index`` unless ``pad`` names it)."""
+        if name in self.pads:
+            return self.pads[name]
+        return self.ignore_index if name == _LABELS else self.default_pad
 
     def check_fields(self, paths: set[str]) -> None:
-        """A ValueError if ``fields``, ``pad`` or ``labels`` names a field the samples do not have (a typo would
-        silently not pad)."""
-        named = set(self.fields or []) | set(self.pads) | ({self.labels} if self.labels else set())
+        """A ValueError if ``fields``, ``pad``, ``mask_from`` or ``labels`` names a field the samples do not have
+        (a typo would silently not pad), or ``labels=`` would replace the samples' own ``labels``."""
+        named = set(self.fields or []) | set(self.pads) | ({self.labels} if self.labels else set()) | (
+            {self.mask_from} if self.mask_from else set())
         if not named <= paths:
             raise ValueError(f"TextCollate names {sorted(named - paths)}, which the samples do not have; their "
                              f"fields are {sorted(paths)}")
+        if self.labels is not None and _LABELS in paths:
+            raise ValueError(f"TextCollate(labels={self.labels!r}) would replace the samples' own {_LABELS!r} field "
+                             f"(prompt tokens masked with -100, say): leave labels= out, and their {_LABELS!r} are "
+                             f"padded with ignore_index ({self.ignore_index})")
 
     # --- over any samples -----------------------------------------------------------------------------------------
 
@@ -96,22 +121,29 @@ class TextCollate:
             raise TypeError("TextCollate takes samples that are dicts of fields (as model(**batch) takes them), "
                             f"got {type(samples[0]).__name__ if samples else 'an empty batch'}")
         names = list(samples[0])
-        padded = self._padded_names(names, lambda n: _varies([s[n] for s in samples]))
+        self.check_fields(set(names))
+        padded = self._padded_names(names, lambda n: _sequences([s[n] for s in samples]))
         values: dict[str, tuple[Located, torch.dtype]] = {}
         for name in padded:
-            arrays = [_as_numpy(s[name]) for s in samples]
+            column = [s[name] for s in samples]
+            arrays = _arrays(column)
             if any(a.ndim != 1 for a in arrays):
                 raise ValueError(f"TextCollate pads 1-D values; field {name!r} holds values of shape "
                                  f"{next(a.shape for a in arrays if a.ndim != 1)}")
             lengths = np.array([len(a) for a in arrays], np.int64)
             flat = np.concatenate(arrays) if arrays else np.empty(0, np.int64)
-            values[name] = (_located(flat, lengths), _torch_dtype(samples[0][name], flat))
+            values[name] = (_located(flat, lengths), _torch_dtype(column, flat))
         rest = {n: default_collate([s[n] for s in samples]) for n in names if n not in values and not (
-            n == self.attention_mask and padded)}
+            n == self.attention_mask and (self._builds(names) or self.flatten))}
         return self._assemble(names, values, rest)
 
-    def _padded_names(self, names: list[str], varies: Any) -> list[str]:
-        """The fields to pad or flatten, checked: the ``fields`` given, or every varying one."""
+    def _builds(self, names: list[str]) -> bool:
+        """Whether the mask is built (the samples have none of that name, or ``build_mask``), not padded as stored."""
+        return self.attention_mask is not None and (self.build_mask or self.attention_mask not in names)
+
+    def _padded_names(self, names: list[str], sequence: Any) -> list[str]:
+        """The fields to pad or flatten, checked: the ``fields`` given, or every 1-D field of numbers (a mask
+        that is built is not read; a flattened batch has none)."""
         if self.fields is not None:
             missing = [f for f in self.fields if f not in names]
             if missing:
@@ -119,10 +151,23 @@ class TextCollate:
                                  f"fields are {names}")
             padded = list(self.fields)
         else:
-            padded = [n for n in names if n != self.attention_mask and varies(n)]
+            padded = [n for n in names if sequence(n)]
+        if self.attention_mask in padded and (self._builds(names) or self.flatten):
+            padded.remove(self.attention_mask)
         if self.labels is not None and self.labels not in padded:
-            raise ValueError(f"TextCollate(labels={self.labels!r}) must name a padded field, one of {padded}")
+            raise ValueError(f"TextCollate(labels={self.labels!r}) must name a padded field, one of {padded} (a "
+                             "field of numbers of one length in every sample is padded too; fields=[...] names "
+                             "others)")
+        source = self.mask_from
+        if self._builds(names) and not self.flatten and padded and source is not None and source not in padded:
+            raise ValueError(f"TextCollate(mask_from={source!r}) must name a padded field, one of {padded}")
         return padded
+
+    def _mask_source(self, values: dict[str, Any]) -> str | None:
+        """The padded field whose lengths make the built mask or a flattened batch's boundaries."""
+        if self.mask_from is not None:
+            return self.mask_from
+        return "input_ids" if "input_ids" in values else next(iter(values), None)
 
     # --- the batch ----------------------------------------------------------------------------------------------
 
@@ -133,45 +178,49 @@ class TextCollate:
         if self.flatten:
             return self._flat(names, values, rest)
         out: dict[str, Any] = {}
-        first = next(iter(values.values()), None)
-        width = max((int(v.lengths.max()) if len(v.lengths) else 0 for v, _ in values.values()), default=0)
-        if self.multiple:
-            width = -(-width // self.multiple) * self.multiple
+        widths = {name: self._width(located.lengths) for name, (located, _) in values.items()}
         for name in names:
             if name in values:
                 located, dtype = values[name]
-                out[name] = _padded(located, self.pad_of(name), dtype, width)
+                out[name] = _padded(located, self.pad_of(name), dtype, widths[name])
             elif name in rest:
                 out[name] = rest[name]
-        if first is not None and self.attention_mask is not None:
-            out[self.attention_mask] = mask_of(first[0].lengths, width, self.mask_dtype)
+        source = self._mask_source(values)
+        if self._builds(names) and source is not None and self.attention_mask is not None:
+            out[self.attention_mask] = mask_of(values[source][0].lengths, widths[source], self.mask_dtype)
         if self.labels is not None:
             located, dtype = values[self.labels]
-            out["labels"] = _padded(located, self.ignore_index, dtype, width)
+            out[_LABELS] = _padded(located, self.ignore_index, dtype, widths[self.labels])
         return out
+
+    def _width(self, lengths: np.ndarray) -> int:
+        width = int(lengths.max()) if len(lengths) else 0
+        return -(-width // self.multiple) * self.multiple if self.multiple else width
 
     def _flat(self, names: list[str], values: dict[str, tuple[Located, torch.dtype]],
               rest: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        lengths = next(iter(values.values()))[0].lengths if values else np.zeros(0, np.int64)
+        source = self._mask_source(values)
+        lengths = values[source][0].lengths if source is not None else np.zeros(0, np.int64)
         for name in names:
             if name in values:
                 located, dtype = values[name]
                 if not np.array_equal(located.lengths, lengths):
-                    raise ValueError(f"TextCollate(flatten=True): field {name!r}'s values are not as long as the "
-                                     f"first flattened field's: one row of tokens needs fields of equal lengths")
+                    raise ValueError(f"TextCollate(flatten=True): field {name!r}'s values are not as long as "
+                                     f"{source!r}'s: one row of tokens needs fields of equal lengths (pass "
+                                     f"fields=[...] to flatten those that are)")
                 out[name] = flat_tensor(located, dtype)[None, :]
-            elif name in rest:
+            elif name in rest and name != self.attention_mask:
                 out[name] = rest[name]
-        cu = np.zeros(len(lengths) + 1, np.int32)
-        np.cumsum(lengths, out=cu[1:])
-        starts = cu[:-1].astype(np.int64)
+        kept = lengths[lengths > 0]  # (as Hugging Face's: an empty sample is no sequence of the row)
+        cu = np.zeros(len(kept) + 1, np.int32)
+        np.cumsum(kept, out=cu[1:])
         out["position_ids"] = torch.from_numpy(_positions(lengths, int(cu[-1])))[None]
-        if self.labels is not None:
-            labels = out[self.labels].clone()
-            first = starts[lengths > 0]
-            labels[0, torch.from_numpy(first)] = self.ignore_index  # no sample's first token predicts across
-            out["labels"] = labels
+        made = self.labels if self.labels is not None else _LABELS if _LABELS in values else None
+        if made is not None:  # no sample's first token predicts across the one before it
+            labels = out[made].clone()
+            labels[0, torch.from_numpy(cu[:-1].astype(np.int64))] = self.ignore_index
+            out[_LABELS] = labels
         longest = int(lengths.max()) if len(lengths) else 0
         cu_tensor = torch.from_numpy(cu)
         out.update(cu_seq_lens_q=cu_tensor, cu_seq_lens_k=cu_tensor, max_length_q=longest, max_length_k=longest)
@@ -189,16 +238,17 @@ class TextCollate:
         fields = warm.fields
         names = [f.name for f in fields if f.kind != "json"]
         number = {f.name: k for k, f in enumerate(fields)}
-        padded = self._padded_names(names, lambda n: warm.paddable(number[n]))
+        padded = self._padded_names(names, lambda n: _one_dim(fields[number[n]]))
         values: dict[str, tuple[Located, torch.dtype]] = {}
         for name in padded:
             located = warm.located(number[name]) if warm.paddable(number[name]) else None
             if located is None:
-                return None  # (a fixed field asked to be padded, or damage: the checked path pads or reports it)
+                return None  # (values the warm path does not pad, or damage: the checked path pads or reports it)
             values[name] = (located, _target(fields[number[name]]))
         rest: dict[str, Any] = {}
         for k, field in enumerate(fields):
-            if field.name in values or field.kind == "json" or (field.name == self.attention_mask and padded):
+            if field.name in values or field.kind == "json" or (
+                    field.name == self.attention_mask and (self._builds(names) or self.flatten)):
                 continue
             value = warm.other(k)
             if value is None:
@@ -211,23 +261,23 @@ class TextCollate:
         """The batch from a checked gather's columns (``RowReader.gather``: fixed arrays, ``RaggedColumn``s)."""
         fields = reader.fields
         names = [f.name for f in fields if f.kind != "json"]
-        ragged = {f.name: k for k, f in enumerate(fields) if f.ragged and len(f.shape) == 1 and f.kind not in (
-            "str", "bytes", "numpy_str", "numpy_bytes", "json")}
-        padded = self._padded_names(names, lambda n: n in ragged)
+        number = {f.name: k for k, f in enumerate(fields)}
+        padded = self._padded_names(names, lambda n: _one_dim(fields[number[n]]))
         values: dict[str, tuple[Located, torch.dtype]] = {}
         for name in padded:
-            k = names.index(name)
+            k = number[name]
             column = columns[k]
-            if name in ragged:
+            if fields[k].ragged:
                 flat, counts, _ = column.merged()
-            else:  # a fixed 1-D field asked for: its values are of one length
+            else:  # a fixed field: its values are of one length
                 array = np.asarray(column)
                 flat = array.reshape(-1)
                 counts = np.full(len(array), array.shape[1] if array.ndim > 1 else 1, np.int64)
             values[name] = (_located(flat, counts), _target(fields[k]))
         rest = {}
         for k, field in enumerate(fields):
-            if field.name in values or field.kind == "json" or (field.name == self.attention_mask and padded):
+            if field.name in values or field.kind == "json" or (
+                    field.name == self.attention_mask and (self._builds(names) or self.flatten)):
                 continue
             if field.ragged:
                 rest[field.name] = reader._splitters[k](columns[k])
@@ -241,15 +291,36 @@ def _is_int(value: Any) -> bool:
 
 
 
-def _varies(values: list[Any]) -> bool:
-    """Whether a field's values are 1-D sequences (tensors, arrays, lists of numbers) whose lengths differ."""
+def _sequences(values: list[Any]) -> bool:
+    """Whether a field's values are 1-D sequences of numbers (tensors, arrays, lists), whatever their lengths:
+    decided by their type, never by whether this batch's lengths differ, so every batch has the same keys."""
     first = values[0]
-    if not isinstance(first, (torch.Tensor, np.ndarray, list)):
-        return False
-    try:
-        return len({len(v) for v in values}) > 1 and all(np.ndim(v) == 1 for v in values)
-    except TypeError:
-        return False
+    if isinstance(first, torch.Tensor):
+        return first.ndim == 1 and not first.dtype.is_complex
+    if isinstance(first, np.ndarray):
+        return first.ndim == 1 and first.dtype.kind in "biuf"
+    if isinstance(first, list):
+        return all(isinstance(v, list) and all(_is_number(x) for x in v) for v in values)
+    return False
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (str, bytes))
+
+
+def _one_dim(field: Any) -> bool:
+    """Whether a cache's field is a 1-D field of numbers (ragged or fixed: what ``TextCollate`` pads)."""
+    return len(field.shape) == 1 and field.kind in ("tensor", "ndarray", "pylist") and not field.variable
+
+
+def _arrays(values: list[Any]) -> list[np.ndarray]:
+    """A field's values as numpy arrays; empty lists take the others' dtype (numpy would make them float64)."""
+    arrays = [_as_numpy(v) for v in values]
+    lists = [a for v, a in zip(values, arrays) if not (isinstance(v, list) and not v)]
+    if len(lists) != len(arrays):
+        dtype = np.result_type(*lists) if lists else np.dtype(np.int64)
+        arrays = [a.astype(dtype, copy=False) for a in arrays]
+    return arrays
 
 
 
@@ -261,9 +332,9 @@ def _as_numpy(value: Any) -> np.ndarray:
 
 
 
-def _torch_dtype(value: Any, flat: np.ndarray) -> torch.dtype:
-    if isinstance(value, torch.Tensor):
-        return value.dtype
+def _torch_dtype(column: list[Any], flat: np.ndarray) -> torch.dtype:
+    if isinstance(column[0], torch.Tensor):
+        return column[0].dtype
     return torch.from_numpy(np.zeros(0, flat.dtype)).dtype
 
 
