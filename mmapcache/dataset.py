@@ -88,7 +88,9 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
             returned in the source's dtype; ``"ones"`` for a field whose values are all ones (an attention mask
             without padding), of which only the shapes are stored. Every value is checked as it is stored: one
             that does not fit (or a mask with a zero) raises ``LayoutError`` naming the field, the value and the
-            fix, never a wrapped or rounded value. The fields named are ragged. Recorded in the cache (format 3).
+            fix, never a wrapped or rounded value. The fields named are ragged. Recorded in the cache (format 3);
+            an opener without ``store_as`` reads the cache as it was made, and ``store_as={}`` asks for no field
+            narrowed (with ``overwrite=True``, a narrowed cache is made anew plain).
         node_share: cache only this node's share of the dataset (multi-node jobs whose dataset is larger than one
             node's memory): ``True`` finds the node and node count from torchrun, SLURM or an initialised process
             group; ``(node, nodes)`` gives them. Every node computes the same seeded partition into ``nodes``

@@ -179,8 +179,9 @@ class Mixture:
         source number (``names[k]``), to log a loss per source. ``state_dict()``/``load_state_dict()`` resume
         exactly, on any number of ranks (see ``read.mix_state``).
 
-        Other DataLoader arguments pass through; those that choose an order (``shuffle``, ``sampler``,
-        ``batch_sampler``, ``generator``) are refused: the order is the mixture's.
+        Other DataLoader arguments pass through; those that choose an order (``sampler``, ``batch_sampler``,
+        ``generator``, ``shuffle=False``, ``group_by_length``) are refused: the order is the mixture's, shuffled
+        (``shuffle=True`` is accepted, and changes nothing).
         """
         if kwargs.get("group_by_length") is not None:
             raise ValueError("group_by_length= is ds.loader()'s: a mixture's batches are composed per source by its "

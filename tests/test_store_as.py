@@ -366,3 +366,18 @@ def test_a_first_sample_with_an_empty_list_of_ids_is_narrowed_as_its_probes_say(
         assert ds[i] == Lists()[i]
     assert _meta(cache_path)["fields"][0]["stored"] == "<i4"
     ds.close()
+
+
+def test_store_as_empty_asks_for_a_plain_cache(cache_path: str) -> None:
+    """Without store_as an opener reads a narrowed cache as it is; with store_as={} it asks for no field narrowed:
+    refused, or with overwrite=True made anew plain."""
+    source = Tokenized(N)
+    MmapCachedDataset(cache_path, source, store_as=NARROW).close()
+    MmapCachedDataset(cache_path, source, overwrite=True).close()  # (kept: nothing asked of its storage)
+    assert _meta(cache_path)["format_version"] == 3
+    with pytest.raises(CacheMismatchError, match=r"store_as \{'input_ids': 'int32', 'attention_mask': 'ones'\} in "
+                                                  r"the cache, \{\} given"):
+        MmapCachedDataset(cache_path, source, store_as={})
+    with MmapCachedDataset(cache_path, source, store_as={}, overwrite=True) as ds:
+        assert _meta(cache_path)["format_version"] == 2
+        assert same(ds[3], source[3])

@@ -55,7 +55,7 @@ class CreateOptions:
                     isinstance(name, str) and isinstance(how, str) for name, how in store_as.items()):
                 raise TypeError("store_as must be a dict of field path -> a narrower dtype name or 'ones', e.g. "
                                 f"store_as={{'input_ids': 'int32', 'attention_mask': 'ones'}}, got {store_as!r}")
-            store_as = dict(store_as) or None
+            store_as = dict(store_as)  # ({}: no field narrowed, compared with the cache's as any other)
         self.store_as: dict[str, str] | None = store_as
         if share is not None and cache_indices is not None:
             raise ValueError("node_share and cache_indices both choose which samples the cache holds; pass one")

@@ -102,6 +102,10 @@ def compile_checker(layout: Layout, path: str = "PATH",
     return check
 
 
+# (A cache's storage is fixed when it is made: another store_as takes a new one.)
+_NEW_CACHE = " (in a new cache: overwrite=True, or another path)"
+
+
 def narrow_problem(field: Field, value: Any) -> str | None:
     """Why ``value`` cannot be stored as ``field`` narrows it (``store_as``), or None: an integer that does not fit
     the narrower type, a float it would round, a value of a ``"ones"`` field that is not 1. Never a silent wrap."""
@@ -112,8 +116,8 @@ def narrow_problem(field: Field, value: Any) -> str | None:
         bad = np.flatnonzero(array.reshape(-1) != 1)
         if len(bad):
             return (f"store_as='ones' keeps only values that are all ones, and this one holds "
-                    f"{array.reshape(-1)[bad[0]].item()!r} at position {int(bad[0])}: store the field as 'uint8' "
-                    "(or leave it out of store_as), or remove the cache and create it again")
+                    f"{array.reshape(-1)[bad[0]].item()!r} at position {int(bad[0])}: leave the field out of "
+                    f"store_as (a 0/1 mask fits 'uint8'){_NEW_CACHE}")
         return None
     target = field.storage_dtype
     if target.kind in "iu" and array.dtype.kind in "iub":
@@ -122,13 +126,13 @@ def narrow_problem(field: Field, value: Any) -> str | None:
         if low < info.min or high > info.max:
             found = low if low < info.min else high
             return (f"the value {found} does not fit {target.name} (store_as; {info.min}..{info.max}): store the "
-                    f"field as a wider type (or leave it out of store_as), or remove the cache and create it again")
+                    f"field as a wider type, or leave it out of store_as{_NEW_CACHE}")
         return None
     narrowed = array.astype(target)
     if not np.array_equal(narrowed.astype(array.dtype), array, equal_nan=True):
         at = int(np.flatnonzero(narrowed.astype(array.dtype).reshape(-1) != array.reshape(-1))[0])
         return (f"the value {array.reshape(-1)[at].item()!r} is not exactly a {target.name} (store_as would round "
-                "it): store the field as a wider type (or leave it out of store_as)")
+                f"it): store the field as a wider type, or leave it out of store_as{_NEW_CACHE}")
     return None
 
 
