@@ -118,9 +118,10 @@ class Flat(LoaderReader):
 class FlatFloor(Reader):
     """The floor of flat batches: per batch, the rows' ``[offset, extent, length]`` taken from the cache's
     ``input_ids.index.npy`` and each value's int64 tokens copied from ``input_ids.heap`` (mapped as numpy) into one
-    new flat array, back to back, and the labels taken from ``label.npy``. No checks (no seqlock, no bounds, no
-    complete-row test), no torch, no DataLoader, no positions or boundaries, no text: the same token bytes
-    ``Flat`` copies, and nothing else. Workers do not apply."""
+    new flat array, back to back, each text's bytes copied out of ``text.heap`` (not decoded), and the labels taken
+    from ``label.npy``. No checks (no seqlock, no bounds, no complete-row test), no torch, no DataLoader, no
+    positions or boundaries, no decoding: the same bytes ``Flat`` copies, and nothing else. Workers do not
+    apply."""
 
     name, label = "flatfloor", ("flat floor: numpy gather of the token values from the heap file into one flat "
                                 "array, one process, no checks")
@@ -136,6 +137,13 @@ class FlatFloor(Reader):
         self.index = np.asarray(np.load(os.path.join(ds.path, spec["index_file"]), mmap_mode="r"))
         self.labels = np.asarray(np.load(os.path.join(ds.path, labels["file"]), mmap_mode="r"))
         self.itemsize = dtype.itemsize
+        text = next((f for f in ds._store.meta["fields"] if f["name"] == "text"), None)
+        self.text: tuple[memoryview, np.ndarray] | None = None
+        if text is not None:
+            path = os.path.join(ds.path, text["heap"])
+            self.text = (memoryview(np.asarray(np.memmap(path, np.uint8, mode="r")) if os.path.getsize(path) else
+                                    np.zeros(0, np.uint8)),
+                         np.asarray(np.load(os.path.join(ds.path, text["index_file"]), mmap_mode="r")))
         if len(self.index) != corpus.n:  # row i holds sample i (one variant, every sample cached)
             raise RuntimeError(f"flat floor: the cache has {len(self.index)} rows for {corpus.n} samples")
 
@@ -147,6 +155,10 @@ class FlatFloor(Reader):
         for start, length in zip((entries[:, 0] // self.itemsize).tolist(), lengths.tolist()):
             flat[at:at + length] = heap[start:start + length]
             at += length
+        if self.text is not None:  # the texts' bytes, as they are in the heap
+            data, index = self.text
+            texts = index.take(rows, 0)
+            _ = [data[o:o + n].tobytes() for o, n in zip(texts[:, 0].tolist(), texts[:, 2].tolist())]
         return flat, lengths, self.labels.take(rows)
 
     def epoch(self, batch: int, workers: int) -> Callable[[], None]:
