@@ -236,7 +236,7 @@ class Heap:
             grown = min(grown, max(need, capacity + budget_left // 2))
             if grown - capacity > budget_left:
                 return False
-        if not self._reserve(grown):
+        if not self._reserve(capacity, grown):
             return False
         c[CAPACITY] = grown
         return True
@@ -395,9 +395,12 @@ class Heap:
                     return free, f"the free list of size class {cls} is longer than the heap can hold: it loops"
         return free, None
 
-    def _reserve(self, size: int) -> bool:
+    def _reserve(self, reserved: int, size: int) -> bool:
+        """Allocates the file's bytes ``[reserved, size)``: those below ``reserved`` are allocated already (the
+        capacity, grown only by this method), and ``posix_fallocate`` walks every page of its range: growing from 0
+        each time walked the whole heap at every step (300 MB written 152 KB at a time: 0.62 s against 0.19 s)."""
         try:
-            os.posix_fallocate(self.fd, 0, size)
+            os.posix_fallocate(self.fd, reserved, size - reserved)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 return False
