@@ -248,7 +248,7 @@ class Misses:
                     if not self.refills_checked:  # (before this sample is kept)
                         self._refuse_shared_refills(indices, [sample])
                     if not fixed:  # kept until the batch is published: not a view of a buffer the source refills
-                        values = [v.copy() if type(v) is np.ndarray else v for v in values]
+                        values = list(map(_private, values))
                     if row >= 0:
                         computed.append((k, index, values))
                 for column, value in zip(columns, values):
@@ -355,7 +355,8 @@ class Misses:
             except CacheFormatError as exc:
                 self._if_removed(exc, strict)
                 return 0
-        cells = rows[[k for k, _, _ in computed]].tolist()
+        positions = np.array([k for k, _, _ in computed], np.int64)
+        cells = rows[positions].tolist()
         indices = [index for _, index, _ in computed]
         samples: list[list[Any]] = []
         for _, _, values in computed:
@@ -364,24 +365,39 @@ class Misses:
         try:
             if reader.ragged and len(computed) > 1:
                 with contextlib.suppress(Declined):
-                    return self._publish_new_rows(cells, indices, samples)
+                    return self._publish_new_rows(rows, columns, positions, np.array(indices, np.int64), samples)
             return state.publish_many([(row, index, functools.partial(self.writer.write, row, values))
                                        for row, index, values in zip(cells, indices, samples)], no_room)
         except CacheFormatError as exc:
             self._if_removed(exc, strict)
             return 0
 
-    def _publish_new_rows(self, targets: list[int], keys: list[int], samples: list[list[Any]]) -> int:
-        """Stores a batch's samples, of a layout with ragged fields, at once: their ragged values packed back to back
-        at the heaps' ends with one system call per field (``RowWriter.write_new_rows``), which is where storing
-        them one at a time would put them. ``Declined``, with nothing changed, where it would not."""
-        keep = _first_of_each(np.array(targets, np.int64)).tolist()
+    def _publish_new_rows(self, rows: np.ndarray, columns: list[Any], positions: np.ndarray, keys: np.ndarray,
+                          samples: list[list[Any]]) -> int:
+        """Stores a batch's samples (``samples``, of source indices ``keys``, at batch ``positions`` of ``rows`` and
+        ``columns``), of a layout with ragged fields, at once: their ragged values packed back to back at the heaps'
+        ends with one system call per field (``RowWriter.write_new_rows``), which is where storing them one at a
+        time would put them, and their fixed fields from the batch's columns, one step per field. ``Declined``,
+        with nothing changed, where it would not."""
+        targets = rows[positions]
+        keep = _first_of_each(targets)
+        # The columns hold the misses' values, except where fields keep their own shapes (lists of values).
+        fixed = None if self.reader.variable else columns
 
         def write(todo: np.ndarray) -> None:
-            chosen = [keep[t] for t in todo.tolist()]
-            self.writer.write_new_rows([targets[n] for n in chosen], [samples[n] for n in chosen])
-        return self.store.state.publish_rows(np.array([targets[n] for n in keep], np.int64),
-                                             np.array([keys[n] for n in keep], np.int64), write, new_only=True)
+            chosen = keep[todo]
+            self.writer.write_new_rows(targets[chosen].tolist(), [samples[n] for n in chosen.tolist()],
+                                       None if fixed is None else (rows, fixed, positions[chosen]))
+        return self.store.state.publish_rows(targets[keep], keys[keep], write, new_only=True)
+
+
+def _private(value: Any) -> Any:
+    """A checked value the batch may keep while the source computes its next samples: an array copied out of the
+    source's memory, unless it lies in a ``bytes`` object (a str's or bytes' value, encoded by the check: nobody
+    can change it)."""
+    if type(value) is np.ndarray and type(value.base) is not bytes:
+        return value.copy()
+    return value
 
 
 def _first_of_each(targets: np.ndarray) -> np.ndarray:

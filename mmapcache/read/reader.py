@@ -43,6 +43,7 @@ from ..store.store import Store
 from . import gather as _gather
 from .gather import take
 from .ragged import (
+    RaggedColumn,
     Torn,
     gather_ragged,
     ones_reader,
@@ -285,6 +286,9 @@ class RowReader:
         columns: list[Any] = []
         for field, data, index, heap in zip(self.fields, self.data, self.store.index, self.store.heaps):
             if heap is not None:
+                if not count:  # a cold batch: nothing to locate in the heap
+                    columns.append(RaggedColumn.empty(n, len(field.shape), field.np_dtype))
+                    continue
                 column = gather_ragged(field, index, heap, safe_rows, readable)  # type: ignore[arg-type]
                 readable &= column.valid
                 columns.append(column)

@@ -96,6 +96,8 @@ class RowWriter:
         runs: tuple[list[int], list[int], list[int]] | None = None  # each run's first position, first row, length
         for data, fd, offset, row_bytes, column in zip(
                 self.data, self.store.data_fds, self.store.data_offsets, self._row_bytes, columns):
+            if data is None:
+                continue  # a ragged field (write_new_rows writes its values)
             if fd < 0 or data.ndim == 1 or row_bytes < _PAGE_BYTES:
                 data[targets] = column[positions]
                 continue
@@ -113,14 +115,18 @@ class RowWriter:
                 if written != size:  # a short write: the rest
                     _pwrite_view(fd, flat[start + written:start + size], at + written)
 
-    def write_new_rows(self, rows: list[int], samples: list[list[Any]]) -> None:
+    def write_new_rows(self, rows: list[int], samples: list[list[Any]],
+                       columns: tuple[np.ndarray, list[Any], np.ndarray] | None = None) -> None:
         """Copies a batch of checked samples' values into ``rows``, none of which owns heap extents (see ``write``):
         each ragged field's values packed back to back at its heap's end with one ``pwritev``, and their index rows
         set at once. Those are the offsets ``write`` gives them one row at a time (a row's first value gets an extent
         of its own size at the end of the heap). Where ``write`` would do otherwise, ``Declined`` is raised before
         anything is written: a heap has free extents (``write`` reuses them), or there is no room for the whole
         batch (``write`` stores the values that fit); and ``CacheFormatError`` for a heap whose counters are
-        damaged. The caller holds the writer lock (``SlotState.publish_rows``)."""
+        damaged. The fixed fields are written row by row, or with ``columns`` (``(batch rows, batch columns,
+        positions)``: the batch's columns hold the same values at ``positions``, and ``rows`` is ``batch
+        rows[positions]``) from the columns, a step per field (``write_rows``). The caller holds the writer lock
+        (``SlotState.publish_rows``)."""
         store = self.store
         plans: list[tuple[int, Heap, int, int, list[np.ndarray], np.ndarray]] = []  # (field, heap, start, end, ...)
         for n in self.ragged:
@@ -158,8 +164,11 @@ class RowWriter:
                 c[ABANDONED] += padding
             heap.write_packed(start, values)
             store.index[n][rows] = entries  # type: ignore[index]
-        for row, values in zip(rows, samples):
-            self._write_fixed(row, values)
+        if columns is not None:
+            self.write_rows(*columns)
+        else:
+            for row, values in zip(rows, samples):
+                self._write_fixed(row, values)
 
     def _write_ragged(self, row: int, values: list[Any], owned: bool) -> None:
         """Finds room for every ragged value of the row (all or nothing), writes them and their index rows, then
