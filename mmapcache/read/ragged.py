@@ -127,6 +127,23 @@ class RaggedColumn:
         read from the cache is a fresh copy), which the batch then holds."""
         self.patches[position] = value
 
+    def put_values(self, flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray,
+                   positions: np.ndarray | None) -> None:
+        """Puts misses' values at ``positions`` (None: every position, in order), given back to back in ``flat`` (an
+        array of the caller's that the batch then holds: ``format.batch``'s fillers), ``counts`` elements each, of
+        ``shapes``. Filling every position makes them the column's own values (nothing gathered is kept)."""
+        if positions is None:
+            self.flat, self.counts, self.shapes = flat, counts, shapes
+            self.patches.clear()
+            self.valid = np.ones(len(counts), bool)
+            return
+        ends = np.cumsum(counts).tolist()
+        if shapes.shape[1] == 1:
+            parts = [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+        else:
+            parts = [flat[a:b].reshape(shape) for a, b, shape in zip([0, *ends[:-1]], ends, shapes.tolist())]
+        self.patches.update(zip(positions.tolist(), parts))
+
     def parts(self) -> list[np.ndarray]:
         """Each position's value (views into ``flat``; patches as given)."""
         flat, ends = self.flat, np.cumsum(self.counts).tolist()

@@ -87,8 +87,8 @@ class RowReader:
         self.wrap = subclass_wrapper(layout)
         self.build = sample_builder(layout.structure)
         self.check = _checker(store)
-        # A batch of misses checked and written into the batch's columns at once (fixed plain fields only).
-        self.fill_batch = compile_batch_filler(layout) if not self.ragged and not self.variable else None
+        # A batch of misses checked and written into the batch's columns at once (plain fields, no max_shapes).
+        self.fill_batch = compile_batch_filler(layout) if not self.variable else None
         self.build_batch = batch_builder(layout.structure)
         self._readers = [self._field_reader(n) for n in range(len(self.fields))]
         # Closures over the maps, never over self: a cycle through self would keep the maps (and the file

@@ -115,39 +115,50 @@ class RowWriter:
                 if written != size:  # a short write: the rest
                     _pwrite_view(fd, flat[start + written:start + size], at + written)
 
-    def write_new_rows(self, rows: list[int], samples: list[list[Any]],
-                       columns: tuple[np.ndarray, list[Any], np.ndarray] | None = None) -> None:
+    def write_new_rows(self, rows: list[int], ragged: list[Any],
+                       fixed: tuple[np.ndarray, list[Any], np.ndarray] | list[list[Any]]) -> None:
         """Copies a batch of checked samples' values into ``rows``, none of which owns heap extents (see ``write``):
-        each ragged field's values packed back to back at its heap's end with one ``pwritev``, and their index rows
+        each ragged field's values packed back to back at its heap's end with one system call, and their index rows
         set at once. Those are the offsets ``write`` gives them one row at a time (a row's first value gets an extent
         of its own size at the end of the heap). Where ``write`` would do otherwise, ``Declined`` is raised before
         anything is written: a heap has free extents (``write`` reuses them), or there is no room for the whole
         batch (``write`` stores the values that fit); and ``CacheFormatError`` for a heap whose counters are
-        damaged. The fixed fields are written row by row, or with ``columns`` (``(batch rows, batch columns,
-        positions)``: the batch's columns hold the same values at ``positions``, and ``rows`` is ``batch
-        rows[positions]``) from the columns, a step per field (``write_rows``). The caller holds the writer lock
-        (``SlotState.publish_rows``)."""
+        damaged. The caller holds the writer lock (``SlotState.publish_rows``).
+
+        Args:
+            rows: the rows to write.
+            ragged: per ragged field, in field order, the rows' checked values: a list of arrays (one a row), or
+                ``(flat, shapes)``: their elements back to back in C order, in the field's dtype, and their shapes
+                ``(len(rows), ndim)`` (a batch's column: one ``pwrite``).
+            fixed: the fixed fields' values: ``(batch rows, batch columns, positions)``, the batch's columns holding
+                them at ``positions`` (``rows`` is ``batch rows[positions]``), written a step per field
+                (``write_rows``); or per row its checked values (as ``write`` takes them).
+        """
         store = self.store
         plans: list[tuple[int, Heap, int, int, list[np.ndarray], np.ndarray]] = []  # (field, heap, start, end, ...)
-        for n in self.ragged:
+        for n, given in zip(self.ragged, ragged):
             heap, index = store.heaps[n], store.index[n]
             assert heap is not None and index is not None  # a ragged field has both (see Store)
             heap.check_counters()
             if int(heap.counters[FREE]):
                 raise Declined
-            values = [np.ascontiguousarray(sample[n]) for sample in samples]
-            if n in self._stored:
-                values = [self._stored[n](v) for v in values]
-            itemsize = values[0].itemsize if values else 1
-            if any(v.itemsize != itemsize for v in values):
-                raise Declined
-            itemsize = max(itemsize, 1)  # (a field of ones stores no bytes: values of itemsize 0)
-            sizes = np.fromiter((v.nbytes for v in values), np.int64, len(values))
+            if isinstance(given, tuple):
+                values, sizes, shapes = self._packed(n, *given)
+            else:
+                values = [np.ascontiguousarray(v) for v in given]
+                if n in self._stored:
+                    values = [self._stored[n](v) for v in values]
+                if any(v.itemsize != self.fields[n].value_itemsize for v in values):
+                    raise Declined  # (not a value as checked: one row at a time says what it is)
+                sizes = np.fromiter((v.nbytes for v in values), np.int64, len(values))
+                shapes = np.array([v.shape for v in values], np.int64).reshape(len(values), -1)
+            # (a field of ones stores no bytes: values of itemsize 0)
+            itemsize = max(self.fields[n].value_itemsize, 1)
             start = -(-int(heap.counters[END]) // itemsize) * itemsize  # every value a multiple: all stay aligned
-            entries = np.empty((len(values), index.shape[1]), np.int64)
+            entries = np.empty((len(sizes), index.shape[1]), np.int64)
             entries[:, 0] = np.where(sizes > 0, start + np.cumsum(sizes) - sizes, 0)  # (an empty value: 0, 0)
             entries[:, 1] = sizes
-            entries[:, 2:] = np.array([v.shape for v in values], np.int64).reshape(len(values), -1)
+            entries[:, 2:] = shapes
             plans.append((n, heap, start, start + int(sizes.sum()), values, entries))
         budget = budget_left(store.heap_counters, store.heap_budget)
         if budget is not None and sum(max(0, end - int(heap.counters[CAPACITY]))
@@ -164,11 +175,24 @@ class RowWriter:
                 c[ABANDONED] += padding
             heap.write_packed(start, values)
             store.index[n][rows] = entries  # type: ignore[index]
-        if columns is not None:
-            self.write_rows(*columns)
+        if isinstance(fixed, tuple):
+            self.write_rows(*fixed)
         else:
-            for row, values in zip(rows, samples):
+            for row, values in zip(rows, fixed):
                 self._write_fixed(row, values)
+
+    def _packed(self, n: int, flat: np.ndarray, shapes: np.ndarray) -> tuple[list[np.ndarray], np.ndarray,
+                                                                             np.ndarray]:
+        """Field ``n``'s values given back to back (``flat``, of ``shapes``): as its heap stores them (narrowed, or
+        nothing for a field of ones), and each one's bytes there."""
+        field = self.fields[n]
+        counts = shapes[:, 0] if shapes.shape[1] == 1 else np.prod(shapes, axis=1, dtype=np.int64)
+        if field.ones:
+            return [], np.zeros(len(shapes), np.int64), shapes
+        stored = np.ascontiguousarray(flat).reshape(-1).astype(field.storage_dtype, copy=False)
+        if len(stored) != int(counts.sum()):
+            raise ValueError(f"field {field.name!r}: {len(stored)} elements given for values of {int(counts.sum())}")
+        return [stored], counts * stored.itemsize, shapes
 
     def _write_ragged(self, row: int, values: list[Any], owned: bool) -> None:
         """Finds room for every ragged value of the row (all or nothing), writes them and their index rows, then
