@@ -57,6 +57,7 @@ class RowWriter:
         # Rows whose values no reader will read again (a stream's ring: the positions every reader has passed), asked
         # under the writer lock when a value finds no heap room: their extents are given back first (``_room``).
         self.passed: Callable[[], np.ndarray] | None = None
+        self.heap_bytes = 0  # bytes of ragged values this writer wrote into heaps (a build's report counts them)
         self.waiting: dict[int, int] = {}  # with ``passed``: row -> the field that found no room (see ``gave_up``)
 
     def write(self, row: int, values: list[Any], owned: bool) -> None:
@@ -179,6 +180,7 @@ class RowWriter:
                 c[ABANDONED] += padding
             heap.write_packed(start, values)
             store.index[n][rows] = entries  # type: ignore[index]
+            self.heap_bytes += end - start
         if isinstance(fixed, tuple):
             self.write_rows(*fixed)
         else:
@@ -246,6 +248,7 @@ class RowWriter:
             raise
         for n, heap, offset, capacity, value, _ in plan:
             heap.write(offset, value)
+            self.heap_bytes += value.nbytes
             words, width = self._index_words[n]
             base = row * width
             words[base] = offset
