@@ -391,14 +391,18 @@ class Misses:
             chosen = keep[todo]
             at = positions[chosen]
             entries = [computed[n] for n in chosen.tolist()]
+            given = [values for _, _, values in entries]
             if reader.variable:  # (its columns are lists: the values are the computed ones)
                 samples = _values(columns, entries)
                 ragged: list[Any] = [[values[n] for values in samples] for n in reader.ragged]
                 fixed: Any = samples
-            else:
-                ragged = [_ragged_values(columns[n], at, entries, n) for n in reader.ragged]
+            elif all(values is not None for values in given):  # (computed one by one: each sample's own values)
+                ragged = [[values[n] for values in given if values is not None] for n in reader.ragged]
                 fixed = (rows, columns, at)
-            self.writer.write_new_rows(targets[chosen].tolist(), ragged, fixed)
+            else:
+                ragged = [_ragged_values(columns[n], at) for n in reader.ragged]
+                fixed = (rows, columns, at)
+            self.writer.write_new_rows(targets[chosen], ragged, fixed)
         return self.store.state.publish_rows(targets[keep], keys[keep], write, new_only=True)
 
 
@@ -417,13 +421,10 @@ def _values(columns: list[Any], computed: Computed) -> list[list[Any]]:
     return [values if values is not None else [at(n, k) for n in range(len(columns))] for k, _, values in computed]
 
 
-def _ragged_values(column: RaggedColumn, at: np.ndarray, entries: Computed, n: int) -> Any:
-    """A ragged field's values at batch positions ``at`` (misses ``entries``), as ``RowWriter.write_new_rows`` takes
-    them: the column's own ``(flat, shapes)`` where it holds exactly them, in order (a batch filled whole by a batch
-    filler), else a list of arrays."""
-    given = [values for _, _, values in entries]
-    if all(values is not None for values in given):
-        return [values[n] for values in given if values is not None]
+def _ragged_values(column: RaggedColumn, at: np.ndarray) -> Any:
+    """A ragged field's values at batch positions ``at`` (misses a batch filler filled), as
+    ``RowWriter.write_new_rows`` takes them: the column's own ``(flat, shapes)`` where it holds exactly them, in order
+    (a batch filled whole), else a list of arrays."""
     if not column.patches and len(at) == len(column.counts) and bool((at == np.arange(len(at))).all()):
         return column.flat, column.shapes
     parts = column.parts()
@@ -442,6 +443,8 @@ def _private(value: Any) -> Any:
 def _first_of_each(targets: np.ndarray) -> np.ndarray:
     """The positions of each row's first occurrence in a batch's ``targets``, in batch order (an index asked twice
     in a batch is stored once)."""
+    if len(set(targets.tolist())) == len(targets):  # (the usual batch: every row once)
+        return np.arange(len(targets))
     return np.sort(np.unique(targets, return_index=True)[1])
 
 

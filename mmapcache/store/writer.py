@@ -120,7 +120,7 @@ class RowWriter:
                 if written != size:  # a short write: the rest
                     _pwrite_view(fd, flat[start + written:start + size], at + written)
 
-    def write_new_rows(self, rows: list[int], ragged: list[Any],
+    def write_new_rows(self, rows: np.ndarray, ragged: list[Any],
                        fixed: tuple[np.ndarray, list[Any], np.ndarray] | list[list[Any]]) -> None:
         """Copies a batch of checked samples' values into ``rows``, none of which owns heap extents (see ``write``):
         each ragged field's values packed back to back at its heap's end with one system call, and their index rows
@@ -131,7 +131,7 @@ class RowWriter:
         damaged. The caller holds the writer lock (``SlotState.publish_rows``).
 
         Args:
-            rows: the rows to write.
+            rows: the rows to write (int64).
             ragged: per ragged field, in field order, the rows' checked values: a list of arrays (one a row), or
                 ``(flat, shapes)``: their elements back to back in C order, in the field's dtype, and their shapes
                 ``(len(rows), ndim)`` (a batch's column: one ``pwrite``).
@@ -184,7 +184,7 @@ class RowWriter:
         if isinstance(fixed, tuple):
             self.write_rows(*fixed)
         else:
-            for row, values in zip(rows, fixed):
+            for row, values in zip(rows.tolist(), fixed):
                 self._write_fixed(row, values)
 
     def _packed(self, n: int, flat: np.ndarray, shapes: np.ndarray) -> tuple[list[np.ndarray], np.ndarray,
