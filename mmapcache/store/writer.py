@@ -50,6 +50,10 @@ class RowWriter:
         # Each ragged field's index as int64 words (a memoryview: a row's words set ~3x faster than a numpy row).
         self._index_words = {n: (_words(store.index[n]), 2 + len(self.fields[n].shape))  # type: ignore[arg-type]
                              for n in self.ragged}
+        # For a row's first values (``_append``): (field, heap, index words, index width, alignment, storer).
+        self._appends = [(n, _heap(store, n), *self._index_words[n], max(self.fields[n].value_itemsize, 1),
+                          _storer(self.fields[n]) if self.fields[n].stored is not None or self.fields[n].ones else None)
+                         for n in self.ragged]
         self._warned: set[str] = set()
         # A ragged value as its heap holds it: narrower where the field is stored so (checked to fit before it
         # comes here: format.check.narrow_problem), and for a field of ones no bytes at all, only its shape.
@@ -203,6 +207,8 @@ class RowWriter:
     def _write_ragged(self, row: int, values: list[Any], owned: bool) -> None:
         """Finds room for every ragged value of the row (all or nothing), writes them and their index rows, then
         frees what the row no longer uses (see ``store.heap``)."""
+        if not owned and self._append(row, values):
+            return
         store = self.store
         plan: list[tuple[int, Heap, int, int, np.ndarray, tuple[int, int]]] = []
         taken: list[tuple[Heap, int, int]] = []  # room allocated so far, given back if a later field has none
@@ -258,6 +264,44 @@ class RowWriter:
         for _, heap, _, _, _, (unused_offset, unused_capacity) in plan:
             if unused_capacity:
                 heap.free(unused_offset, unused_capacity)
+
+    def _append(self, row: int, values: list[Any]) -> bool:
+        """``_write_ragged`` for a row that owns no extents (a cold miss), where every value goes where ``allocate``
+        puts a row's first value when no heap has free extents: at its heap's end, in an extent of its own size, the
+        heap grown first if it must. False, with nothing written, where that is not so (a heap with free extents, or
+        one that cannot grow): the general path decides then. The same steps as that path, without its bookkeeping
+        for rows that own extents (every miss of a new cache comes here)."""
+        staged = []
+        for n, heap, words, width, align, storer in self._appends:
+            value = values[n]
+            if type(value) is not np.ndarray or not value.flags.c_contiguous:
+                value = np.ascontiguousarray(value)
+            if storer is not None:
+                value = storer(value)
+            heap.check_counters()  # (damage is refused before anything is written)
+            w = heap.words
+            if w[FREE]:
+                return False
+            nbytes = value.nbytes
+            offset = -(-w[END] // align) * align if nbytes else 0
+            if nbytes and offset + nbytes > w[CAPACITY] and not heap.reserve(
+                    offset + nbytes, budget_left(self.store.heap_counters, self.store.heap_budget)):
+                return False
+            staged.append((heap, w, words, row * width, offset, nbytes, value))
+        for heap, w, words, base, offset, nbytes, value in staged:
+            if nbytes:
+                end = w[END]
+                w[END] = offset + nbytes
+                w[ABANDONED] += offset - end  # alignment padding
+                written = os.pwrite(heap.fd, value, offset)
+                if written < nbytes:  # a short write: the rest
+                    _pwrite_view(heap.fd, value.reshape(-1).view(np.uint8).data[written:], offset + written)
+                self.heap_bytes += nbytes
+            words[base] = offset
+            words[base + 1] = nbytes
+            for d, size in enumerate(value.shape, base + 2):
+                words[d] = size
+        return True
 
     def _room(self, n: int, value: np.ndarray, kept: tuple[int, int]) -> tuple[int, int] | None:
         """Room for field ``n``'s value once ``allocate`` found none: the extents of rows no reader will read again
@@ -330,6 +374,12 @@ def _storer(field: Field) -> Callable[[np.ndarray], np.ndarray]:
         return lambda value: np.empty(value.shape, _NOTHING)
     stored = field.storage_dtype
     return lambda value: value.astype(stored, copy=False)
+
+
+def _heap(store: Store, n: int) -> Heap:
+    heap = store.heaps[n]
+    assert heap is not None  # a ragged field has one (see Store)
+    return heap
 
 
 def _words(index: np.ndarray) -> memoryview:
