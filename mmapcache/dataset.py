@@ -219,7 +219,7 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         reader = self._reader
 
         def compute(index: int) -> list[Any]:
-            return misses.checked(reader, misses.fetch(index), index)
+            return misses.kept(misses.checked(reader, misses.fetch(index), index))
 
         self._streams = None if self._ring is None else StreamReads(
             self._ring, reader, compute if self.dataset is not None else None, self._epoch_view,

@@ -281,3 +281,22 @@ def test_an_iteration_has_a_length_as_dataloaders_does(cache_path: str) -> None:
             batches = iter(loader)
             assert len(batches) == len(loader) == len(iter(DataLoader(ds, batch_size=8))) == 4
             assert len(list(batches)) == 4
+
+
+def test_held_padded_batches_are_never_overwritten_by_recycled_buffers() -> None:
+    # PadCollate pads 1-D values into recycled buffers (read.gather.BufferPool.bytes): a batch, or a view of it, that
+    # the caller still holds is never reused; dropped ones are, and pad what they are given again, wholly.
+    from mmapcache import PadCollate
+
+    rng = np.random.default_rng(4)
+    batches = [[torch.from_numpy(rng.integers(1, 9, int(n))) for n in rng.integers(0, 40, 6)] for _ in range(12)]
+    pad = PadCollate(-1, mask=True)
+    expected = [torch.nn.utils.rnn.pad_sequence(b, batch_first=True, padding_value=-1) for b in batches]
+    held = [pad(b) for b in batches]  # every batch held: none may be reused
+    views = [pad(b).data[1:] for b in batches]  # only a view of each held
+    for got, view, want, b in zip(held, views, expected, batches):
+        assert torch.equal(got.data, want) and torch.equal(view, want[1:])
+        assert torch.equal(got.mask, want != -1) and got.lengths.tolist() == [len(v) for v in b]
+    for _ in range(3):  # dropped at once: recycled, refilled
+        for b, want in zip(batches, expected):
+            assert torch.equal(pad(b).data, want)

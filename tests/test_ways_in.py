@@ -177,11 +177,11 @@ def test_a_batch_of_ragged_values_is_stored_where_one_row_at_a_time_would_store_
     stored_at_once = []
     real = RowWriter.write_new_rows
 
-    def spy(self: RowWriter, rows: list[int], samples: list[list[Any]]) -> None:
-        real(self, rows, samples)
+    def spy(self: RowWriter, rows: list[int], *values: Any) -> None:
+        real(self, rows, *values)
         stored_at_once.append(len(rows))
 
-    def one_at_a_time(self: RowWriter, rows: list[int], samples: list[list[Any]]) -> None:
+    def one_at_a_time(self: RowWriter, rows: list[int], *values: Any) -> None:
         raise Declined
 
     heaps = []

@@ -46,7 +46,8 @@ class Failure:
 @dataclasses.dataclass
 class BuildReport:
     """What a build did. ``filled``: rows this build stored; ``skipped``: rows already filled (by an earlier run
-    or a concurrent process); ``failed``: samples whose source raised; ``bytes``: bytes of rows stored."""
+    or a concurrent process); ``failed``: samples whose source raised; ``bytes``: bytes of the values stored (the
+    rows' fixed fields, and ragged values as their heaps hold them)."""
 
     path: str
     filled: int = 0
@@ -123,6 +124,7 @@ class Driver:
         # (not the stale ones: refresh= marked them before this build began, and its workers refill them)
         rows = self.rows[state.filled_rows(self.rows, self.rowmap.keys_of(self.rows)) & ~state.stale_rows(self.rows)]
         self.report.filled += len(rows)
+        self.report.bytes += self._bytes_of(rows)
         chunks, counts = np.unique(rows // self.plan.chunk, return_counts=True)
         self.made = dict(zip(chunks.tolist(), counts.tolist()))
 
@@ -210,9 +212,9 @@ class Driver:
         mask = np.isin(self.rows // self.plan.chunk, [chunk for chunk, _ in tasks])
         done_now = ~self._todo_mask()[mask]
         was_todo = todo_before[mask]
-        stored = int((was_todo & done_now).sum())
-        self.report.filled += stored
-        self.report.bytes += stored * self.row_bytes
+        stored = was_todo & done_now
+        self.report.filled += int(stored.sum())
+        self.report.bytes += self._bytes_of(self.rows[mask][stored])
         if not self.following:
             self._skipped(int((~was_todo).sum()), [chunk for chunk, _ in tasks])
 
@@ -280,7 +282,7 @@ class Driver:
             # it left unstored (a source error whose report died with it) are tried again.
             at = int(np.flatnonzero(stored)[-1]) + 1 if stored.any() else 0
             self.report.filled += int(stored.sum())
-            self.report.bytes += int(stored.sum()) * self.row_bytes
+            self.report.bytes += self._bytes_of(targets[stored])
             if at == len(pending):
                 return
             killer = pending[at][1]
@@ -289,6 +291,17 @@ class Driver:
                                               "native code, os._exit, or the OOM killer); skipped"))
             self.failed_rows.add(killer)
             rows = [task for task, done in zip(pending[:at], stored[:at]) if not done] + pending[at + 1:]
+
+    def _bytes_of(self, rows: np.ndarray) -> int:
+        """Bytes of the values ``rows`` hold, as a worker counts what it writes: their fixed fields, and each ragged
+        value's elements in its heap (read from the index rows, for rows stored without a result: the cache's
+        creation, or a worker that died before reporting)."""
+        total = len(rows) * self.row_bytes
+        for field, index in zip(self.store.layout.fields, self.store.index):
+            if index is not None and len(rows):
+                shapes = index[rows, 2:]
+                total += int(np.prod(shapes, axis=1, dtype=np.int64).sum()) * field.value_itemsize
+        return total
 
     def _todo(self, targets: np.ndarray) -> np.ndarray:
         """The rows of ``targets`` still to store."""
@@ -299,7 +312,7 @@ class Driver:
         report.filled += result["filled"]
         if not self.following and not result["busy"]:
             self._skipped(result["skipped"], [result["chunk"]])
-        report.bytes += result["filled"] * self.row_bytes
+        report.bytes += result["filled"] * self.row_bytes + result["heap_bytes"]
         report.no_room += len(result["no_room"])
         self.failed_rows.update(result["no_room"])  # not tried again in this build (--follow would spin on them)
         for index, variant, error in result["failed"]:

@@ -21,6 +21,7 @@ from ..errors import (
 )
 from ..format.batch import FILLED, SHARED, arrays_of, overlaps
 from ..format.fields import Field
+from ..read.ragged import RaggedColumn
 from ..read.reader import RowReader
 from ..store.rows import RowMap
 from ..store.state import Declined, NoRoom
@@ -101,6 +102,12 @@ class Misses:
             f"sample {index} is not in the cache at {path} (opened without a source dataset); fill it with "
             f"MmapCachedDataset(path, dataset) or `mmapcache build {path} --dataset SPEC`"
         )
+
+    def kept(self, values: list[Any]) -> list[Any]:
+        """A computed sample's checked values as a batch keeps them while the source computes the next samples: each
+        array copied out of the source's memory where the batch's columns keep it as given (ragged ones: a fixed
+        column copies the value into itself)."""
+        return values if self.reader.fixed else list(map(_private, values))
 
     # --- one sample --------------------------------------------------------------------------------------------
 
@@ -248,7 +255,7 @@ class Misses:
                     if not self.refills_checked:  # (before this sample is kept)
                         self._refuse_shared_refills(indices, [sample])
                     if not fixed:  # kept until the batch is published: not a view of a buffer the source refills
-                        values = [v.copy() if type(v) is np.ndarray else v for v in values]
+                        values = self.kept(values)
                     if row >= 0:
                         computed.append((k, index, values))
                 for column, value in zip(columns, values):
@@ -330,6 +337,7 @@ class Misses:
                     raise
                 on_error(index, exc)
                 continue
+            values = self.kept(values)  # (its ragged columns keep it: not a view of the source's memory)
             if rows[k] >= 0:
                 computed.append((k, index, values))
             for column, value in zip(columns, values):
@@ -355,38 +363,88 @@ class Misses:
             except CacheFormatError as exc:
                 self._if_removed(exc, strict)
                 return 0
-        cells = rows[[k for k, _, _ in computed]].tolist()
+        positions = np.array([k for k, _, _ in computed], np.int64)
         indices = [index for _, index, _ in computed]
-        samples: list[list[Any]] = []
-        for _, _, values in computed:
-            assert values is not None  # only fixed layouts leave the values in the columns alone
-            samples.append(values)
         try:
             if reader.ragged and len(computed) > 1:
                 with contextlib.suppress(Declined):
-                    return self._publish_new_rows(cells, indices, samples)
+                    return self._publish_new_rows(rows, columns, positions, np.array(indices, np.int64), computed)
             return state.publish_many([(row, index, functools.partial(self.writer.write, row, values))
-                                       for row, index, values in zip(cells, indices, samples)], no_room)
+                                       for row, index, values in zip(rows[positions].tolist(), indices,
+                                                                     _values(columns, computed))], no_room)
         except CacheFormatError as exc:
             self._if_removed(exc, strict)
             return 0
 
-    def _publish_new_rows(self, targets: list[int], keys: list[int], samples: list[list[Any]]) -> int:
-        """Stores a batch's samples, of a layout with ragged fields, at once: their ragged values packed back to back
+    def _publish_new_rows(self, rows: np.ndarray, columns: list[Any], positions: np.ndarray, keys: np.ndarray,
+                          computed: Computed) -> int:
+        """Stores a batch's computed misses (``computed``, of source indices ``keys``, at batch ``positions`` of
+        ``rows`` and ``columns``), of a layout with ragged fields, at once: their ragged values packed back to back
         at the heaps' ends with one system call per field (``RowWriter.write_new_rows``), which is where storing
-        them one at a time would put them. ``Declined``, with nothing changed, where it would not."""
-        keep = _first_of_each(np.array(targets, np.int64)).tolist()
+        them one at a time would put them, and their fixed fields from the batch's columns, one step per field.
+        ``Declined``, with nothing changed, where it would not."""
+        targets = rows[positions]
+        keep = _first_of_each(targets)
+        reader = self.reader
 
         def write(todo: np.ndarray) -> None:
-            chosen = [keep[t] for t in todo.tolist()]
-            self.writer.write_new_rows([targets[n] for n in chosen], [samples[n] for n in chosen])
-        return self.store.state.publish_rows(np.array([targets[n] for n in keep], np.int64),
-                                             np.array([keys[n] for n in keep], np.int64), write, new_only=True)
+            chosen = keep[todo]
+            at = positions[chosen]
+            entries = [computed[n] for n in chosen.tolist()]
+            given = [values for _, _, values in entries]
+            if reader.variable:  # (its columns are lists: the values are the computed ones)
+                samples = _values(columns, entries)
+                ragged: list[Any] = [[values[n] for values in samples] for n in reader.ragged]
+                fixed: Any = samples
+            elif all(values is not None for values in given):  # (computed one by one: each sample's own values)
+                ragged = [[values[n] for values in given if values is not None] for n in reader.ragged]
+                fixed = (rows, columns, at)
+            else:
+                ragged = [_ragged_values(columns[n], at) for n in reader.ragged]
+                fixed = (rows, columns, at)
+            self.writer.write_new_rows(targets[chosen], ragged, fixed)
+        return self.store.state.publish_rows(targets[keep], keys[keep], write, new_only=True)
+
+
+def _values(columns: list[Any], computed: Computed) -> list[list[Any]]:
+    """Each computed miss's values: as computed, or (``None``: a batch filler put them into the columns) taken from
+    the columns (a ragged column's value at the position, a fixed column's row)."""
+    parts: dict[int, list[Any]] = {}
+
+    def at(n: int, k: int) -> Any:
+        column = columns[n]
+        if isinstance(column, RaggedColumn):
+            if n not in parts:
+                parts[n] = column.parts()
+            return parts[n][k]
+        return column[k]
+    return [values if values is not None else [at(n, k) for n in range(len(columns))] for k, _, values in computed]
+
+
+def _ragged_values(column: RaggedColumn, at: np.ndarray) -> Any:
+    """A ragged field's values at batch positions ``at`` (misses a batch filler filled), as
+    ``RowWriter.write_new_rows`` takes them: the column's own ``(flat, shapes)`` where it holds exactly them, in order
+    (a batch filled whole), else a list of arrays."""
+    if not column.patches and len(at) == len(column.counts) and bool((at == np.arange(len(at))).all()):
+        return column.flat, column.shapes
+    parts = column.parts()
+    return [parts[k] for k in at.tolist()]
+
+
+def _private(value: Any) -> Any:
+    """A checked value the batch may keep while the source computes its next samples: an array copied out of the
+    source's memory, unless it lies in a ``bytes`` object (a str's or bytes' value, encoded by the check: nobody
+    can change it)."""
+    if type(value) is np.ndarray and type(value.base) is not bytes:
+        return value.copy()
+    return value
 
 
 def _first_of_each(targets: np.ndarray) -> np.ndarray:
     """The positions of each row's first occurrence in a batch's ``targets``, in batch order (an index asked twice
     in a batch is stored once)."""
+    if len(set(targets.tolist())) == len(targets):  # (the usual batch: every row once)
+        return np.arange(len(targets))
     return np.sort(np.unique(targets, return_index=True)[1])
 
 
@@ -417,10 +475,19 @@ def _finite(field: Field, value: Any) -> bool:
     return array.dtype.kind not in "fc" or bool(np.isfinite(array).all())
 
 
-def all_finite(fields: Sequence[Field], columns: list[np.ndarray], positions: np.ndarray | None) -> bool:
+def all_finite(fields: Sequence[Field], columns: list[Any], positions: np.ndarray | None) -> bool:
     """Whether the batch's columns hold no NaN or infinity at ``positions`` (None: anywhere)."""
-    return all(_finite(field, column if positions is None else column[positions])
-               for field, column in zip(fields, columns))
+    return all(_finite(field, _at(column, positions)) for field, column in zip(fields, columns))
+
+
+def _at(column: Any, positions: np.ndarray | None) -> Any:
+    """A column's values at ``positions`` (None: all) as one array (a ragged column's: its values' elements)."""
+    if not isinstance(column, RaggedColumn):
+        return column if positions is None else column[positions]
+    if positions is None:
+        return column.merged()[0]
+    parts = column.parts()
+    return np.concatenate([parts[k] for k in positions.tolist()], axis=None) if len(positions) else column.flat[:0]
 
 
 _warned_read_only: set[str] = set()

@@ -169,8 +169,10 @@ class _Runs:
     def __init__(self, ring: Ring, reader: RowReader, writer: RowWriter, source: Any, check_finite: bool) -> None:
         self.ring, self.reader, self.writer, self.source = ring, reader, writer, source
         self.check_finite, self.checked = check_finite, checker(check_finite)
-        # Off for good once the source is seen to refill one buffer for every sample (as Misses.batched).
-        self.batched = reader.fill_batch is not None
+        # Off for good once the source is seen to refill one buffer for every sample (as Misses.batched). Fixed
+        # layouts only: a ring's rows hold earlier values, whose heap extents a ragged value reuses or frees, one
+        # row at a time (RowWriter.write).
+        self.batched = reader.fill_batch is not None and reader.fixed
 
     def compute(self, qs: list[int], done: dict[str, int]) -> Publish:
         indices = self.ring.indices_of(qs)

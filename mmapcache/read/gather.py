@@ -30,6 +30,8 @@ _MAX_THREADS = 4
 # Two per shape: a loop still holds the previous batch while the next one is gathered.
 _BUFFERS_PER_KEY = 2
 _MAX_KEYS = 8
+# Buffers of any size kept (``BufferPool.bytes``): a batch's padded fields, for the batch the loop holds and the next.
+_FLAT_BUFFERS = 6
 
 
 def _free_count() -> int:
@@ -54,6 +56,7 @@ class BufferPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._buffers: dict[tuple[Any, ...], list[np.ndarray]] = {}
+        self._flat: list[np.ndarray] = []  # buffers of any size, for arrays whose shapes vary (see ``bytes``)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if not _RECYCLE:
@@ -73,6 +76,29 @@ class BufferPool:
             if len(buffers) < _BUFFERS_PER_KEY:
                 buffers.append(out)
             return out
+
+    def bytes(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` uninitialised bytes (uint8), for an array whose shape changes from batch to batch (a padded
+        batch: its width is its longest value's): the front of an earlier buffer at least that large that no one
+        references any more, else a new one (kept, up to ``_FLAT_BUFFERS``, or in place of a smaller free one).
+        Refilling one costs a ``fill``; a fresh one, a page fault per page (the kernel zeroes it), which in a cold
+        epoch of padded token ids cost more than the padding itself."""
+        if not _RECYCLE:
+            return np.empty(nbytes, np.uint8)
+        with self._lock:
+            flat = self._flat
+            smaller = -1
+            for k in range(len(flat)):
+                if sys.getrefcount(flat[k]) == _FREE:  # (as in ``empty``: only the list refers to it)
+                    if len(flat[k]) >= nbytes:
+                        return flat[k][:nbytes]
+                    smaller = k
+            out = np.empty(nbytes, np.uint8)
+            if len(flat) < _FLAT_BUFFERS:
+                flat.append(out)
+            elif smaller >= 0:
+                flat[smaller] = out
+            return out[:nbytes]
 
 
 

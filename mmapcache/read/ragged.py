@@ -115,9 +115,34 @@ class RaggedColumn:
         self.flat, self.counts, self.shapes, self.valid = flat, counts, shapes, valid
         self.patches: dict[int, np.ndarray] = {}
 
-    def __setitem__(self, position: int, value: Any) -> None:
-        # A copy: the value may be a view of a buffer the source refills for its next sample.
-        self.patches[position] = np.array(value)
+    @classmethod
+    def empty(cls, count: int, ndim: int, dtype: np.dtype) -> RaggedColumn:
+        """A column of ``count`` positions none of which was read (each to be filled by the caller)."""
+        return cls(np.empty(0, dtype), np.zeros(count, np.int64), np.zeros((count, ndim), np.int64),
+                   np.ones(count, bool))
+
+    def __setitem__(self, position: int, value: np.ndarray) -> None:
+        """Puts a miss's value at ``position``, as it is: the caller passes an array of its own (``Misses.fill``
+        copies a computed value out of the source's memory once, before the next sample is computed, and a value
+        read from the cache is a fresh copy), which the batch then holds."""
+        self.patches[position] = value
+
+    def put_values(self, flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray,
+                   positions: np.ndarray | None) -> None:
+        """Puts misses' values at ``positions`` (None: every position, in order), given back to back in ``flat`` (an
+        array of the caller's that the batch then holds: ``format.batch``'s fillers), ``counts`` elements each, of
+        ``shapes``. Filling every position makes them the column's own values (nothing gathered is kept)."""
+        if positions is None:
+            self.flat, self.counts, self.shapes = flat, counts, shapes
+            self.patches.clear()
+            self.valid = np.ones(len(counts), bool)
+            return
+        ends = np.cumsum(counts).tolist()
+        if shapes.shape[1] == 1:
+            parts = [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+        else:
+            parts = [flat[a:b].reshape(shape) for a, b, shape in zip([0, *ends[:-1]], ends, shapes.tolist())]
+        self.patches.update(zip(positions.tolist(), parts))
 
     def parts(self) -> list[np.ndarray]:
         """Each position's value (views into ``flat``; patches as given)."""
@@ -135,8 +160,10 @@ class RaggedColumn:
         """``(flat, counts, shapes)`` with the patches folded in."""
         if not self.patches:
             return self.flat, self.counts, self.shapes
-        parts = self.parts()
-        flat = np.concatenate([p.reshape(-1) for p in parts]).astype(self.flat.dtype, copy=False)
+        patches = self.patches
+        # A cold batch: every position a miss, nothing gathered (in any order the misses were put).
+        parts = [patches[k] for k in range(len(self.counts))] if len(patches) == len(self.counts) else self.parts()
+        flat = np.concatenate(parts, axis=None).astype(self.flat.dtype, copy=False)
         shapes = np.array([p.shape for p in parts], np.int64).reshape(len(parts), -1)
         return flat, np.array([p.size for p in parts], np.int64), shapes
 

@@ -43,6 +43,7 @@ from ..store.store import Store
 from . import gather as _gather
 from .gather import take
 from .ragged import (
+    RaggedColumn,
     Torn,
     gather_ragged,
     ones_reader,
@@ -86,8 +87,8 @@ class RowReader:
         self.wrap = subclass_wrapper(layout)
         self.build = sample_builder(layout.structure)
         self.check = _checker(store)
-        # A batch of misses checked and written into the batch's columns at once (fixed plain fields only).
-        self.fill_batch = compile_batch_filler(layout) if not self.ragged and not self.variable else None
+        # A batch of misses checked and written into the batch's columns at once (plain fields, no max_shapes).
+        self.fill_batch = compile_batch_filler(layout) if not self.variable else None
         self.build_batch = batch_builder(layout.structure)
         self._readers = [self._field_reader(n) for n in range(len(self.fields))]
         # Closures over the maps, never over self: a cycle through self would keep the maps (and the file
@@ -285,6 +286,9 @@ class RowReader:
         columns: list[Any] = []
         for field, data, index, heap in zip(self.fields, self.data, self.store.index, self.store.heaps):
             if heap is not None:
+                if not count:  # a cold batch: nothing to locate in the heap
+                    columns.append(RaggedColumn.empty(n, len(field.shape), field.np_dtype))
+                    continue
                 column = gather_ragged(field, index, heap, safe_rows, readable)  # type: ignore[arg-type]
                 readable &= column.valid
                 columns.append(column)

@@ -43,6 +43,17 @@ class RowWriter:
         self._through_map = not self.ragged and all(
             data is not None and shapes is None and (fd < 0 or data.ndim == 1 or row_bytes < _PAGE_BYTES)
             for data, shapes, fd, row_bytes in zip(self.data, self.shapes, store.data_fds, self._row_bytes))
+        # The fixed and max_shapes fields, for a row at a time: (field, data, shapes, fd, offset, row bytes).
+        self._fixed = [(n, data, shapes, fd, offset, row_bytes) for n, (data, shapes, fd, offset, row_bytes) in
+                       enumerate(zip(self.data, self.shapes, store.data_fds, store.data_offsets, self._row_bytes))
+                       if data is not None]
+        # Each ragged field's index as int64 words (a memoryview: a row's words set ~3x faster than a numpy row).
+        self._index_words = {n: (_words(store.index[n]), 2 + len(self.fields[n].shape))  # type: ignore[arg-type]
+                             for n in self.ragged}
+        # For a row's first values (``_append``): (field, heap, index words, index width, alignment, storer).
+        self._appends = [(n, _heap(store, n), *self._index_words[n], max(self.fields[n].value_itemsize, 1),
+                          _storer(self.fields[n]) if self.fields[n].stored is not None or self.fields[n].ones else None)
+                         for n in self.ragged]
         self._warned: set[str] = set()
         # A ragged value as its heap holds it: narrower where the field is stored so (checked to fit before it
         # comes here: format.check.narrow_problem), and for a field of ones no bytes at all, only its shape.
@@ -50,6 +61,7 @@ class RowWriter:
         # Rows whose values no reader will read again (a stream's ring: the positions every reader has passed), asked
         # under the writer lock when a value finds no heap room: their extents are given back first (``_room``).
         self.passed: Callable[[], np.ndarray] | None = None
+        self.heap_bytes = 0  # bytes of ragged values this writer wrote into heaps (a build's report counts them)
         self.waiting: dict[int, int] = {}  # with ``passed``: row -> the field that found no room (see ``gave_up``)
 
     def write(self, row: int, values: list[Any], owned: bool) -> None:
@@ -72,11 +84,8 @@ class RowWriter:
 
     def _write_fixed(self, row: int, values: list[Any]) -> None:
         """The fixed and ``max_shapes`` fields of one row (ragged ones are skipped)."""
-        for data, shapes, fd, offset, row_bytes, value in zip(
-            self.data, self.shapes, self.store.data_fds, self.store.data_offsets, self._row_bytes, values
-        ):
-            if data is None:
-                continue  # ragged: written above
+        for n, data, shapes, fd, offset, row_bytes in self._fixed:
+            value = values[n]
             if shapes is not None:
                 shapes[row] = value.shape
             if fd < 0 or data.ndim == 1 or (row_bytes < _PAGE_BYTES and shapes is None):
@@ -96,6 +105,8 @@ class RowWriter:
         runs: tuple[list[int], list[int], list[int]] | None = None  # each run's first position, first row, length
         for data, fd, offset, row_bytes, column in zip(
                 self.data, self.store.data_fds, self.store.data_offsets, self._row_bytes, columns):
+            if data is None:
+                continue  # a ragged field (write_new_rows writes its values)
             if fd < 0 or data.ndim == 1 or row_bytes < _PAGE_BYTES:
                 data[targets] = column[positions]
                 continue
@@ -113,35 +124,50 @@ class RowWriter:
                 if written != size:  # a short write: the rest
                     _pwrite_view(fd, flat[start + written:start + size], at + written)
 
-    def write_new_rows(self, rows: list[int], samples: list[list[Any]]) -> None:
+    def write_new_rows(self, rows: np.ndarray, ragged: list[Any],
+                       fixed: tuple[np.ndarray, list[Any], np.ndarray] | list[list[Any]]) -> None:
         """Copies a batch of checked samples' values into ``rows``, none of which owns heap extents (see ``write``):
-        each ragged field's values packed back to back at its heap's end with one ``pwritev``, and their index rows
+        each ragged field's values packed back to back at its heap's end with one system call, and their index rows
         set at once. Those are the offsets ``write`` gives them one row at a time (a row's first value gets an extent
         of its own size at the end of the heap). Where ``write`` would do otherwise, ``Declined`` is raised before
         anything is written: a heap has free extents (``write`` reuses them), or there is no room for the whole
         batch (``write`` stores the values that fit); and ``CacheFormatError`` for a heap whose counters are
-        damaged. The caller holds the writer lock (``SlotState.publish_rows``)."""
+        damaged. The caller holds the writer lock (``SlotState.publish_rows``).
+
+        Args:
+            rows: the rows to write (int64).
+            ragged: per ragged field, in field order, the rows' checked values: a list of arrays (one a row), or
+                ``(flat, shapes)``: their elements back to back in C order, in the field's dtype, and their shapes
+                ``(len(rows), ndim)`` (a batch's column: one ``pwrite``).
+            fixed: the fixed fields' values: ``(batch rows, batch columns, positions)``, the batch's columns holding
+                them at ``positions`` (``rows`` is ``batch rows[positions]``), written a step per field
+                (``write_rows``); or per row its checked values (as ``write`` takes them).
+        """
         store = self.store
         plans: list[tuple[int, Heap, int, int, list[np.ndarray], np.ndarray]] = []  # (field, heap, start, end, ...)
-        for n in self.ragged:
+        for n, given in zip(self.ragged, ragged):
             heap, index = store.heaps[n], store.index[n]
             assert heap is not None and index is not None  # a ragged field has both (see Store)
             heap.check_counters()
             if int(heap.counters[FREE]):
                 raise Declined
-            values = [np.ascontiguousarray(sample[n]) for sample in samples]
-            if n in self._stored:
-                values = [self._stored[n](v) for v in values]
-            itemsize = values[0].itemsize if values else 1
-            if any(v.itemsize != itemsize for v in values):
-                raise Declined
-            itemsize = max(itemsize, 1)  # (a field of ones stores no bytes: values of itemsize 0)
-            sizes = np.fromiter((v.nbytes for v in values), np.int64, len(values))
+            if isinstance(given, tuple):
+                values, sizes, shapes = self._packed(n, *given)
+            else:
+                values = [np.ascontiguousarray(v) for v in given]
+                if n in self._stored:
+                    values = [self._stored[n](v) for v in values]
+                if any(v.itemsize != self.fields[n].value_itemsize for v in values):
+                    raise Declined  # (not a value as checked: one row at a time says what it is)
+                sizes = np.fromiter((v.nbytes for v in values), np.int64, len(values))
+                shapes = np.array([v.shape for v in values], np.int64).reshape(len(values), -1)
+            # (a field of ones stores no bytes: values of itemsize 0)
+            itemsize = max(self.fields[n].value_itemsize, 1)
             start = -(-int(heap.counters[END]) // itemsize) * itemsize  # every value a multiple: all stay aligned
-            entries = np.empty((len(values), index.shape[1]), np.int64)
+            entries = np.empty((len(sizes), index.shape[1]), np.int64)
             entries[:, 0] = np.where(sizes > 0, start + np.cumsum(sizes) - sizes, 0)  # (an empty value: 0, 0)
             entries[:, 1] = sizes
-            entries[:, 2:] = np.array([v.shape for v in values], np.int64).reshape(len(values), -1)
+            entries[:, 2:] = shapes
             plans.append((n, heap, start, start + int(sizes.sum()), values, entries))
         budget = budget_left(store.heap_counters, store.heap_budget)
         if budget is not None and sum(max(0, end - int(heap.counters[CAPACITY]))
@@ -158,12 +184,31 @@ class RowWriter:
                 c[ABANDONED] += padding
             heap.write_packed(start, values)
             store.index[n][rows] = entries  # type: ignore[index]
-        for row, values in zip(rows, samples):
-            self._write_fixed(row, values)
+            self.heap_bytes += end - start
+        if isinstance(fixed, tuple):
+            self.write_rows(*fixed)
+        else:
+            for row, values in zip(rows.tolist(), fixed):
+                self._write_fixed(row, values)
+
+    def _packed(self, n: int, flat: np.ndarray, shapes: np.ndarray) -> tuple[list[np.ndarray], np.ndarray,
+                                                                             np.ndarray]:
+        """Field ``n``'s values given back to back (``flat``, of ``shapes``): as its heap stores them (narrowed, or
+        nothing for a field of ones), and each one's bytes there."""
+        field = self.fields[n]
+        counts = shapes[:, 0] if shapes.shape[1] == 1 else np.prod(shapes, axis=1, dtype=np.int64)
+        if field.ones:
+            return [], np.zeros(len(shapes), np.int64), shapes
+        stored = np.ascontiguousarray(flat).reshape(-1).astype(field.storage_dtype, copy=False)
+        if len(stored) != int(counts.sum()):
+            raise ValueError(f"field {field.name!r}: {len(stored)} elements given for values of {int(counts.sum())}")
+        return [stored], counts * stored.itemsize, shapes
 
     def _write_ragged(self, row: int, values: list[Any], owned: bool) -> None:
         """Finds room for every ragged value of the row (all or nothing), writes them and their index rows, then
         frees what the row no longer uses (see ``store.heap``)."""
+        if not owned and self._append(row, values):
+            return
         store = self.store
         plan: list[tuple[int, Heap, int, int, np.ndarray, tuple[int, int]]] = []
         taken: list[tuple[Heap, int, int]] = []  # room allocated so far, given back if a later field has none
@@ -172,12 +217,12 @@ class RowWriter:
                 value = np.ascontiguousarray(values[n])
                 if n in self._stored:
                     value = self._stored[n](value)
-                index, heap = store.index[n], store.heaps[n]
-                assert index is not None and heap is not None  # a ragged field has both (see Store)
+                heap, (words, width) = store.heaps[n], self._index_words[n]
+                assert heap is not None  # a ragged field has one (see Store)
                 # Damage (counters, or an index row, that describe bytes outside the heap) is refused here, before
                 # anything is written: a write past what posix_fallocate reserved would be a sparse page.
                 heap.check_counters()
-                old_offset, old_capacity = (int(index[row, 0]), int(index[row, 1])) if owned else (0, 0)
+                old_offset, old_capacity = (words[row * width], words[row * width + 1]) if owned else (0, 0)
                 if owned:
                     heap.check_extent(old_offset, old_capacity, max(value.itemsize, 1), row)
                 if owned and value.nbytes <= old_capacity:
@@ -209,9 +254,54 @@ class RowWriter:
             raise
         for n, heap, offset, capacity, value, _ in plan:
             heap.write(offset, value)
-            store.index[n][row] = (offset, capacity, *value.shape)  # type: ignore[index]
+            self.heap_bytes += value.nbytes
+            words, width = self._index_words[n]
+            base = row * width
+            words[base] = offset
+            words[base + 1] = capacity
+            for d, size in enumerate(value.shape, base + 2):
+                words[d] = size
         for _, heap, _, _, _, (unused_offset, unused_capacity) in plan:
-            heap.free(unused_offset, unused_capacity)
+            if unused_capacity:
+                heap.free(unused_offset, unused_capacity)
+
+    def _append(self, row: int, values: list[Any]) -> bool:
+        """``_write_ragged`` for a row that owns no extents (a cold miss), where every value goes where ``allocate``
+        puts a row's first value when no heap has free extents: at its heap's end, in an extent of its own size, the
+        heap grown first if it must. False, with nothing written, where that is not so (a heap with free extents, or
+        one that cannot grow): the general path decides then. The same steps as that path, without its bookkeeping
+        for rows that own extents (every miss of a new cache comes here)."""
+        staged = []
+        for n, heap, words, width, align, storer in self._appends:
+            value = values[n]
+            if type(value) is not np.ndarray or not value.flags.c_contiguous:
+                value = np.ascontiguousarray(value)
+            if storer is not None:
+                value = storer(value)
+            heap.check_counters()  # (damage is refused before anything is written)
+            w = heap.words
+            if w[FREE]:
+                return False
+            nbytes = value.nbytes
+            offset = -(-w[END] // align) * align if nbytes else 0
+            if nbytes and offset + nbytes > w[CAPACITY] and not heap.reserve(
+                    offset + nbytes, budget_left(self.store.heap_counters, self.store.heap_budget)):
+                return False
+            staged.append((heap, w, words, row * width, offset, nbytes, value))
+        for heap, w, words, base, offset, nbytes, value in staged:
+            if nbytes:
+                end = w[END]
+                w[END] = offset + nbytes
+                w[ABANDONED] += offset - end  # alignment padding
+                written = os.pwrite(heap.fd, value, offset)
+                if written < nbytes:  # a short write: the rest
+                    _pwrite_view(heap.fd, value.reshape(-1).view(np.uint8).data[written:], offset + written)
+                self.heap_bytes += nbytes
+            words[base] = offset
+            words[base + 1] = nbytes
+            for d, size in enumerate(value.shape, base + 2):
+                words[d] = size
+        return True
 
     def _room(self, n: int, value: np.ndarray, kept: tuple[int, int]) -> tuple[int, int] | None:
         """Room for field ``n``'s value once ``allocate`` found none: the extents of rows no reader will read again
@@ -284,6 +374,19 @@ def _storer(field: Field) -> Callable[[np.ndarray], np.ndarray]:
         return lambda value: np.empty(value.shape, _NOTHING)
     stored = field.storage_dtype
     return lambda value: value.astype(stored, copy=False)
+
+
+def _heap(store: Store, n: int) -> Heap:
+    heap = store.heaps[n]
+    assert heap is not None  # a ragged field has one (see Store)
+    return heap
+
+
+def _words(index: np.ndarray) -> memoryview:
+    """A ragged field's index (``(rows, 2 + ndim)`` int64) as a flat memoryview of its words."""
+    if not index.size:
+        return memoryview(b"").cast("q")
+    return memoryview(index.reshape(-1)).cast("B").cast("q")  # type: ignore[arg-type]
 
 
 def _pwrite_all(fd: int, value: np.ndarray, offset: int) -> None:

@@ -1,11 +1,11 @@
 """Kills aimed at a window between two stores: a writer process that SIGKILLs itself right after a chosen store to
 its heaps' counters, for the crash-consistency tests (``tests/test_crash_windows.py``).
 
-A heap's counters (``heaps.u64``, ``store.heap``) are changed by numpy stores into the mapped words; a change of
-several words (a free list's head and the free counter, a sweep's lists and counters) can be cut between any two
-of them by a kill. ``KillAfter`` stands in for a heap's ``counters`` view: it forwards every read and store to the
-real words and, after the ``n``-th store to a word of the chosen kind, kills its own process, so the kill lands in
-that window on purpose, not by the luck of a timer.
+A heap's counters (``heaps.u64``, ``store.heap``) are changed by stores into the mapped words (through numpy,
+``counters``, or a memoryview, ``words``); a change of several words (a free list's head and the free counter, a
+sweep's lists and counters) can be cut between any two of them by a kill. ``KillAfter`` stands in for both views: it
+forwards every read and store to the real words and, after the ``n``-th store to a word of the chosen kind through
+either, kills its own process, so the kill lands in that window on purpose, not by the luck of a timer.
 """
 
 from __future__ import annotations
@@ -26,22 +26,32 @@ WORDS = {"heads": range(HEADS, 1 << 20), "free": range(FREE, FREE + 1), "end": r
          "abandoned": range(ABANDONED, ABANDONED + 1), "capacity": range(CAPACITY, CAPACITY + 1)}
 
 
-class KillAfter:
-    """A heap's counters that kill this process right after the ``n``-th store touching a word of ``kind``."""
+class Countdown:
+    """The stores to words of ``kind`` left before this process kills itself (shared by a heap's two views of its
+    counters: ``counters``, numpy, and ``words``, a memoryview of the same words)."""
 
-    def __init__(self, words: np.ndarray, kind: str, n: int) -> None:
-        self.words, self.kind, self.left = words, WORDS[kind], n
+    def __init__(self, kind: str, n: int) -> None:
+        self.kind, self.left = WORDS[kind], n
+
+    def stored(self, touched: Any) -> None:
+        if any(word in self.kind for word in touched):
+            self.left -= 1
+            if not self.left:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAfter:
+    """A view of a heap's counters that kills this process right after the countdown's last store."""
+
+    def __init__(self, words: Any, countdown: Countdown) -> None:
+        self.words, self.countdown = words, countdown
 
     def __getitem__(self, key: Any) -> Any:
         return self.words[key]
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.words[key] = value
-        touched = range(len(self.words))[key] if isinstance(key, slice) else [int(key)]
-        if any(word in self.kind for word in touched):
-            self.left -= 1
-            if not self.left:
-                os.kill(os.getpid(), signal.SIGKILL)
+        self.countdown.stored(range(len(self.words))[key] if isinstance(key, slice) else [int(key)])
 
     def __len__(self) -> int:
         return len(self.words)
@@ -77,7 +87,9 @@ def rewrite_until_killed(path: str, n: int, seed: int, kind: str, stores: int, r
     ds = open_resized(path, n, seed)
     for heap in ds._store.heaps:
         if heap is not None:
-            heap.counters = KillAfter(heap.counters, kind, stores)  # type: ignore[assignment]
+            countdown = Countdown(kind, stores)
+            heap.counters = KillAfter(heap.counters, countdown)  # type: ignore[assignment]
+            heap.words = KillAfter(heap.words, countdown)  # type: ignore[assignment]
     for _ in range(rounds):
         ds.refresh(fraction=0.5)
         ds.fill()
