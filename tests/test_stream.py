@@ -31,6 +31,7 @@ from helpers.stream_sources import (
     Fresh,
     Growing,
     Refills,
+    RefillsRagged,
     Swelling,
     intact,
 )
@@ -456,6 +457,42 @@ def test_producer_runs_store_each_sample_its_own_value_and_a_failing_sample_cost
         stats = ds.stream_stats
     # The producer gave up each failing position alone, the waiting reader computed it, and nothing else.
     assert stats["computed"] == 2 * len(failing) and stats["served"] == 2 * N - 2 * len(failing)
+
+
+@pytest.mark.parametrize("refill", [False, True])
+def test_producer_runs_of_ragged_values_are_checked_together_and_stored_as_their_own(
+        cache_path: str, monkeypatch: pytest.MonkeyPatch, refill: bool) -> None:
+    # Runs of a layout with ragged fields were checked one sample at a time, each value copied; they are checked
+    # together (one concatenation a field) and published a row at a time from the run's columns. A source that
+    # refills one buffer (every ragged value a view of it) is seen to, and checked one sample at a time. Two
+    # positions in a row fail, and one apart: each sample must be stored with its own values, a failing one cost
+    # only itself.
+    from mmapcache.fill import producer as producer_module
+
+    runs: list[int] = []
+    rows_of = producer_module._Runs._rows_of
+    monkeypatch.setattr(producer_module._Runs, "_rows_of",
+                        lambda self, qs, columns: runs.append(len(qs)) or rows_of(self, qs, columns))
+    failing = {int(epoch_order(5, 0, N)[k]) for k in (20, 21, 60)}
+    source = RefillsRagged(N, failing, os.getpid(), refill)
+    with MmapCachedDataset(cache_path, source, stream=True, ragged=["x", "text"], max_bytes=RING_BYTES, seed=5) as ds:
+        stop = threading.Event()
+        timer = threading.Timer(1.0, stop.set)
+        timer.start()
+        # In this process, so that the spy sees its runs (its pid is the creator's: make it fail as a producer's).
+        # No reader moves: the ring fills, then waits.
+        done = produce(cache_path, SourceFactory(RefillsRagged(N, failing, -1, refill)), stop)
+        timer.join()
+        assert (max(runs, default=0) > 1) is not refill, runs  # (checked together unless the buffer is refilled)
+        assert done["failed"] == len(failing & set(epoch_order(5, 0, N)[:ds.stream_stats["slots"]].tolist()))
+        indices = []
+        for batch in ds.loader(batch_size=16, collate_fn=lambda samples: samples):
+            for sample in batch:
+                i = sample["i"]
+                assert sample["x"].tolist() == [i] * (i % 7 + 1), "a sample stored another's value"
+                assert sample["text"] == f"{i};" * (i % 5)
+                indices.append(i)
+        assert indices == epoch_order(5, 0, N).tolist()
 
 
 class _NaNAt(Dataset):

@@ -3,7 +3,7 @@
 Each producer process opens the stream, registers itself (a shared ``flock`` on ``producers``, which the kernel
 drops when it dies), makes its own copy of the source, and loops: claim the next sequence numbers (``Ring.claim``:
 a run of them, at most ``S`` ahead of the slowest reader; or one position a dead producer claimed and lost),
-compute their samples (fixed-size fields checked and stacked together, as the loader's batched misses: ``_Runs``),
+compute their samples (checked together, as the loader's batched misses: ``_Runs``),
 publish them together (``Ring.publish``/``publish_rows``: those whose reader has already passed them are skipped).
 A run is as long as the producer computes in about ``_RUN_SECONDS``, its rows claimed with one byte-range lock.
 When the ring is full it polls, backing off to ``_IDLE_POLL``. It stops when told (``Producer.stop``, SIGINT/SIGTERM
@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import CacheFormatError, CacheNotFoundError
 from ..format.batch import FILLED, SHARED
+from ..read.ragged import RaggedColumn
 from ..read.reader import RowReader
 from ..store.ring import Ring, register_producer
 from ..store.store import Store
@@ -160,19 +161,21 @@ def _publish_when_room(ring: Ring, writer: RowWriter, left: list[tuple[int, Any]
 
 
 class _Runs:
-    """Computes a claimed run of positions and returns how to publish it. A run of fixed-size fields is checked
-    together and stacked into columns, then published with vectorised steps, as the loader's batched misses are
-    (``RowReader.fill_batch``); other layouts, and runs the batch check declines, one sample at a time, each value
-    copied (the source may refill one buffer). A sample that raises (or holds NaN with ``check_finite``) is given
-    up alone: its position is released unpublished, and its reader computes it and sees the error there."""
+    """Computes a claimed run of positions and returns how to publish it. A run is checked together, as the
+    loader's batched misses are (``RowReader.fill_batch``): fixed-size fields stacked into columns, ragged ones
+    concatenated once into each field's column. A run of fixed-size fields is then published with vectorised steps;
+    one with ragged fields a row at a time from those columns (a ring's rows hold earlier values, whose heap extents
+    a new value reuses or frees: ``RowWriter.write``), so that values finding no heap room wait as one sample's do
+    (``_publish_when_room``). Layouts the batch check does not take (lists, ``max_shapes``), and runs it declines,
+    are checked one sample at a time, each value copied (the source may refill one buffer). A sample that raises (or
+    holds NaN with ``check_finite``) is given up alone: its position is released unpublished, and its reader computes
+    it and sees the error there."""
 
     def __init__(self, ring: Ring, reader: RowReader, writer: RowWriter, source: Any, check_finite: bool) -> None:
         self.ring, self.reader, self.writer, self.source = ring, reader, writer, source
         self.check_finite, self.checked = check_finite, checker(check_finite)
-        # Off for good once the source is seen to refill one buffer for every sample (as Misses.batched). Fixed
-        # layouts only: a ring's rows hold earlier values, whose heap extents a ragged value reuses or frees, one
-        # row at a time (RowWriter.write).
-        self.batched = reader.fill_batch is not None and reader.fixed
+        # Off for good once the source is seen to refill one buffer for every sample (as Misses.batched).
+        self.batched = reader.fill_batch is not None
 
     def compute(self, qs: list[int], done: dict[str, int]) -> Publish:
         indices = self.ring.indices_of(qs)
@@ -198,6 +201,8 @@ class _Runs:
             return None, None
         if outcome != FILLED or (self.check_finite and not all_finite(reader.fields, columns, None)):
             return None, samples
+        if reader.ragged:
+            return self._rows_of(qs, columns), None
         keys = np.array(qs, np.int64)
         rows, positions = keys % self.ring.slots, np.arange(len(qs))
 
@@ -207,6 +212,14 @@ class _Runs:
         def publish() -> tuple[int, int, list[tuple[int, Any]]]:
             return self.ring.publish_rows(keys, write), len(keys), []
         return publish, None
+
+    def _rows_of(self, qs: list[int], columns: list[Any]) -> Publish:
+        """A checked run of a layout with ragged fields, published a row at a time from its columns (each row's
+        values: views of the run's own arrays, which nothing else holds)."""
+        parts = [column.parts() if isinstance(column, RaggedColumn) else column for column in columns]
+        write, slots = self.writer.write, self.ring.slots
+        return self._one_by_one([(q, functools.partial(write, q % slots, [values[k] for values in parts]))
+                                 for k, q in enumerate(qs)])
 
     def _each(self, qs: list[int], indices: list[int], samples: list[Any] | None, done: dict[str, int]) -> Publish:
         items = []
@@ -220,7 +233,10 @@ class _Runs:
             if len(qs) > 1:  # kept until the run is published: not a view of a buffer the source refills
                 values = [v.copy() if type(v) is np.ndarray else v for v in values]
             items.append((q, functools.partial(self.writer.write, q % self.ring.slots, values)))
+        return self._one_by_one(items)
 
+    def _one_by_one(self, items: list[tuple[int, Any]]) -> Publish:
+        """Publishes ``(position, write)`` items, each row's write called under the writer lock (``Ring.publish``)."""
         def publish() -> tuple[int, int, list[tuple[int, Any]]]:
             stored, left = self.ring.publish(items)
             return stored, len(items), left

@@ -68,6 +68,19 @@ class Refills(Dataset):
         return {"x": self.buf, "i": index}
 
 
+class RefillsRagged(Refills):
+    """``Refills`` with ragged values: ``{"x": index % 7 + 1 int64 (a view of the one buffer, or with
+    ``refill=False`` an array of its own), "text": the index written out index % 5 times, "i": index}``."""
+
+    def __init__(self, n: int, failing: set[int], creator: int, refill: bool = True) -> None:
+        super().__init__(n, failing, creator)
+        self.refill = refill
+
+    def __getitem__(self, index: int) -> Any:
+        x = super().__getitem__(index)["x"][:index % 7 + 1]
+        return {"x": x if self.refill else x.copy(), "text": f"{index};" * (index % 5), "i": index}
+
+
 def intact(batch: dict[str, Any]) -> bool:
     """Every sample of a collated batch is one computation (``x`` holds its token)."""
     return bool((batch["x"] == batch["token"][:, None]).all())
