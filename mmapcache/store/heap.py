@@ -48,6 +48,7 @@ import contextlib
 import errno
 import mmap
 import os
+import struct
 import threading
 from collections.abc import Callable
 
@@ -70,6 +71,8 @@ _MIN_GROWTH = 1 << 14
 _PAGE = 4096
 # How many classes above the one that fits a value ``reuse`` looks in (each is 12.5% larger than the one below).
 _SEARCH = 5
+# A free extent's record, its first 16 bytes: the next extent's offset + 1 on its list (0: the last), and its size.
+_RECORD = struct.Struct("<QQ")
 # Buffers per pwritev call: the kernel's limit (UIO_MAXIOV, 1024 on Linux).
 _IOV_MAX = 1024
 
@@ -258,41 +261,39 @@ class Heap:
     def reuse(self, nbytes: int, align: int) -> tuple[int, int] | None:
         """Room for ``nbytes`` from the free lists only (never growing the heap): ``(offset, capacity)``, or None.
         Looks in the class that fits and a few above it (extents up to ~1.8x the value). Caller holds the lock."""
-        c = self.counters
-        if not int(c[FREE]):
+        w = self.words  # (Python ints: a rewrite of every stream row comes here)
+        if not w[FREE]:
             return None
         need = nbytes + align - 1  # room for the value wherever the extent starts
         first = size_class(class_size(need))
-        if first >= CLASSES:
+        for cls in range(first, min(CLASSES, first + _SEARCH)):
+            if w[HEADS + cls]:
+                break
+        else:
             return None
-        heads = c[HEADS + first:HEADS + min(CLASSES, first + _SEARCH)]
-        nonempty = np.flatnonzero(heads)
-        if not len(nonempty):
-            return None
-        offset, size = self._pop(first + int(nonempty[0]), need)
+        offset, size = self._pop(cls, need)
         start = -(-offset // align) * align
-        c[ABANDONED] += start - offset
+        w[ABANDONED] += start - offset
         return start, offset + size - start
 
     def _pop(self, cls: int, need: int) -> tuple[int, int]:
         """Takes the first extent off the (non-empty) free list of class ``cls``, checked to hold ``need`` bytes:
         its ``(offset, size)``."""
-        c = self.counters
-        offset, end = int(c[HEADS + cls]) - 1, int(c[END])
+        w = self.words
+        offset, end = w[HEADS + cls] - 1, w[END]
         if not 0 <= offset <= end - MIN_EXTENT:
             raise self._damaged(f"the free list of size class {cls} starts at offset {offset}, outside the heap's "
                                 f"{end} used bytes")
-        record = self.covering(end)[offset:offset + MIN_EXTENT].view("<u8")
-        following, size = int(record[0]), int(record[1])
+        following, size = _RECORD.unpack_from(self.covering(end), offset)
         # A record is written before the head (or the record) that points to it: anything else is damage, never a
         # writer's interrupted step. Handing it out could give away bytes that some row uses.
         if (size < max(need, MIN_EXTENT) or size_class(size) != cls or offset + size > end
-                or following > end - MIN_EXTENT + 1 or size > int(c[FREE])):
+                or following > end - MIN_EXTENT + 1 or size > w[FREE]):
             raise self._damaged(f"the free extent at offset {offset} (on the list of size class {cls}) records "
                                 f"{size} bytes and the next at {following - 1}: not an extent of that class inside "
                                 f"the heap's {end} used bytes")
-        c[HEADS + cls] = following
-        c[FREE] -= size
+        w[HEADS + cls] = following
+        w[FREE] -= size
         return offset, size
 
     def _split(self, nbytes: int, align: int) -> tuple[int, int] | None:
@@ -364,15 +365,15 @@ class Heap:
         """Gives back an extent no row uses any more (onto the list of its class). Caller holds the writer lock."""
         if nbytes <= 0:
             return
-        c = self.counters
+        w = self.words
         cls = size_class(nbytes) if nbytes >= MIN_EXTENT else CLASSES
         if cls >= CLASSES:
-            c[ABANDONED] += nbytes  # under 16 bytes (a row's first, exact value): no room for the list's record
+            w[ABANDONED] += nbytes  # under 16 bytes (a row's first, exact value): no room for the list's record
             return
         head = HEADS + cls
-        self._pwrite(offset, np.array([int(c[head]), nbytes], "<u8"))  # the record first, then the head
-        c[head] = offset + 1
-        c[FREE] += nbytes
+        self._pwrite_view(offset, memoryview(_RECORD.pack(w[head], nbytes)))  # the record first, then the head
+        w[head] = offset + 1
+        w[FREE] += nbytes
         self._freed += nbytes
 
     def recount_locked(self) -> None:
