@@ -284,7 +284,7 @@ class Heap:
         if not 0 <= offset <= end - MIN_EXTENT:
             raise self._damaged(f"the free list of size class {cls} starts at offset {offset}, outside the heap's "
                                 f"{end} used bytes")
-        following, size = _RECORD.unpack_from(self.covering(end), offset)
+        following, size = _RECORD.unpack_from(self.covering(end).data, offset)
         # A record is written before the head (or the record) that points to it: anything else is damage, never a
         # writer's interrupted step. Handing it out could give away bytes that some row uses.
         if (size < max(need, MIN_EXTENT) or size_class(size) != cls or offset + size > end
