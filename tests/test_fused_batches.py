@@ -94,6 +94,48 @@ def test_a_warm_batch_is_padded_from_the_heaps_as_the_checked_path_pads_it(cache
                 assert _same(got, every([source[i] for i in indices])), indices
 
 
+@pytest.mark.parametrize("collate", [PadCollate(-1, mask=True, fields=["ids", "small"]),
+                                     TextCollate(pad={"ids": -1, "small": 0}, fields=["ids", "small"],
+                                                 labels="ids")])
+def test_held_warm_batches_are_never_overwritten_by_recycled_buffers(cache_path: str, collate: Any,
+                                                                     no_checked_gather: list[int]) -> None:
+    """The fused path pads into recycled buffers (``read.gather.BufferPool.bytes``) in the main process: a batch, or a
+    view of one of its tensors, that the caller still holds is never reused; dropped ones are, and are padded anew
+    wholly (a wider batch after a narrower one, and the other way round)."""
+    with MmapCachedDataset(cache_path, Kinds(), ragged=RAGGED) as ds:
+        ds.fill()
+        orders = [list(range(k, N, 7)) for k in range(7)] + [[5], [47, 3, 3, 20, 0]]
+        # The checked path's batches, copied out of any buffer first (they are compared with the fused ones after).
+        wanted = {tuple(i): _copied(ds.collate_columns(ds.gather_columns(np.array(i), 0), collate)) for i in orders}
+        no_checked_gather.clear()
+        held = [ds.read_batch(indices, 0, collate) for indices in orders]  # every batch held
+        views = [_padded(ds.read_batch(indices, 0, collate))[1:] for indices in orders]  # a view of each
+        assert not no_checked_gather  # (all of them fused)
+        for got, view, indices in zip(held, views, orders):
+            assert _same(got, wanted[tuple(indices)]), indices
+            assert torch.equal(view, _padded(wanted[tuple(indices)])[1:]), indices
+        for _ in range(3):  # dropped at once: recycled and padded again
+            for indices in orders[::-1] + orders:
+                assert _same(ds.read_batch(indices, 0, collate), wanted[tuple(indices)]), indices
+
+
+def _copied(batch: Any) -> Any:
+    """A batch with every tensor cloned (nothing shared with a buffer that may be recycled)."""
+    if isinstance(batch, dict):
+        return {k: _copied(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_copied(x) for x in batch))
+    if isinstance(batch, list):
+        return [_copied(x) for x in batch]
+    return batch.clone() if isinstance(batch, torch.Tensor) else batch
+
+
+def _padded(batch: Any) -> torch.Tensor:
+    """A batch's padded ids (``PadCollate``'s ``Padded.data`` or ``TextCollate``'s tensor)."""
+    return batch["ids"].data if hasattr(batch["ids"], "data") and not isinstance(batch["ids"], torch.Tensor) \
+        else batch["ids"]
+
+
 def test_a_mixtures_batch_is_padded_from_every_sources_heaps_at_once(shm_dir: str,
                                                                       no_checked_gather: list[int]) -> None:
     """Three sources, one with ids stored narrower (store_as): each batch equals the collate over its samples."""
