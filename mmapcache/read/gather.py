@@ -30,8 +30,9 @@ _MAX_THREADS = 4
 # Two per shape: a loop still holds the previous batch while the next one is gathered.
 _BUFFERS_PER_KEY = 2
 _MAX_KEYS = 8
-# Buffers of any size kept (``BufferPool.bytes``): a batch's padded fields, for the batch the loop holds and the next.
-_FLAT_BUFFERS = 6
+# Buffers of any size kept (``BufferPool.bytes``): a batch's padded fields and masks (PadCollate(mask=True) of two
+# fields makes four), for the batch the loop holds, the next, and one more.
+_FLAT_BUFFERS = 12
 
 
 def _free_count() -> int:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .gather import alloc_shared
+from .gather import alloc_shared, buffers
 from .ragged import gather_ragged
 
 __all__ = ["Located", "WarmRows", "bits_of", "fill_padded", "filled", "flat_tensor", "mask_of", "padded_tensor",
@@ -230,11 +230,15 @@ def padded_tensor(located: Located, pad: Any, dtype: torch.dtype, width: int) ->
 
 def filled(shape: tuple[int, ...], value: Any, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of ``value``; in a DataLoader worker over shared memory, so that the batch crosses to the main
-    process without the copy sending an ordinary tensor costs (``read.gather.alloc_shared``'s way). Zeros from
-    numpy: pages the kernel zeroes as they are first written."""
+    process without the copy sending an ordinary tensor costs (``read.gather.alloc_shared``'s way). Elsewhere in a
+    recycled buffer (``read.gather.BufferPool.bytes``: one no batch references any more), refilled: a new padded
+    batch's array of a megabyte was page-faulted in on its first writes (np.zeros: fresh pages), which cost more
+    than copying the tokens into it."""
     if torch.utils.data.get_worker_info() is None:
         np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        return torch.from_numpy(np.zeros(shape, np_dtype) if value == 0 else np.full(shape, value, np_dtype))
+        out = buffers.bytes(int(np.prod(shape)) * np_dtype.itemsize).view(np_dtype).reshape(shape)
+        out.fill(value)
+        return torch.from_numpy(out)
     count = int(np.prod(shape))
     empty = torch.empty(0, dtype=dtype)
     storage = empty.untyped_storage()._new_shared(max(1, count) * empty.element_size())
