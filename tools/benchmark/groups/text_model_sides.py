@@ -11,7 +11,7 @@ length that agree with the values).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from benchmark.groups.text_corpus import SEED, Corpus, TextSource
-from benchmark.groups.text_reader import LoaderReader, Reader
+from benchmark.groups.text_reader import GatherFloor, LoaderReader
 from mmapcache import MmapCachedDataset, TextCollate
 
 # The narrowed cache: token ids under 2**31 stored as int32, the mask (all ones) as its lengths only.
@@ -41,11 +41,10 @@ def _plain(batch: dict[str, Any], name: str, keys: tuple[str, ...]) -> None:
             raise AssertionError(f"{name}: batch[{key!r}] is a {type(batch[key]).__name__}, not a plain torch.Tensor")
 
 
-class TextDict(LoaderReader):
-    """``ds.loader(collate_fn=TextCollate(0))``: ``input_ids`` padded with 0, ``attention_mask`` made from the
-    lengths (the stored mask is not read), ``label`` stacked, ``text`` listed."""
+class _TextLoader(LoaderReader):
+    """``ds.loader(collate_fn=TextCollate(**collate))`` over the side's cache, seeded as every side is."""
 
-    name, label = "dict", "mmapcache ds.loader(collate_fn=TextCollate(0)): dict of plain tensors, mask from lengths"
+    collate: Mapping[str, Any] = {}  # (read only: a side's TextCollate arguments)
 
     def __init__(self, corpus: Corpus, tmp: str, ds: MmapCachedDataset) -> None:
         super().__init__(corpus, tmp, ds)
@@ -54,7 +53,16 @@ class TextDict(LoaderReader):
     def make(self, **kwargs: Any) -> Any:
         if "sampler" not in kwargs:
             kwargs["seed"] = SEED
-        return self.ds.loader(collate_fn=TextCollate(0), **kwargs)
+        return self.ds.loader(collate_fn=TextCollate(**self.collate), **kwargs)
+
+
+class TextDict(_TextLoader):
+    """``ds.loader(collate_fn=TextCollate(0))``: ``input_ids`` padded with 0, ``attention_mask`` made from the
+    lengths (the stored mask is not read), ``label`` stacked, ``text`` listed."""
+
+    name, label = "dict", "mmapcache ds.loader(collate_fn=TextCollate(0)): dict of plain tensors, mask from lengths"
+
+    collate: Mapping[str, Any] = {"pad": 0}
 
     def canonical(self, batch: Any) -> dict[str, Any]:
         _plain(batch, self.name, ("input_ids", "attention_mask", "label"))
@@ -85,21 +93,14 @@ def _padded(flat: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-class Flat(LoaderReader):
+class Flat(_TextLoader):
     """``ds.loader(collate_fn=TextCollate(flatten=True))``: what HF's ``DataCollatorWithFlattening`` gives a
     flash-attention model, ``input_ids`` ``(1, T)`` with ``position_ids``, ``cu_seq_lens_q/k`` and
     ``max_length_q/k``; the stored mask is not read."""
 
     name, label = "flat", "mmapcache ds.loader(collate_fn=TextCollate(flatten=True)): padding-free (1, T) + cu_seq_lens"
 
-    def __init__(self, corpus: Corpus, tmp: str, ds: MmapCachedDataset) -> None:
-        super().__init__(corpus, tmp, ds)
-        self.ds = ds
-
-    def make(self, **kwargs: Any) -> Any:
-        if "sampler" not in kwargs:
-            kwargs["seed"] = SEED
-        return self.ds.loader(collate_fn=TextCollate(flatten=True), **kwargs)
+    collate: Mapping[str, Any] = {"flatten": True}
 
     def canonical(self, batch: Any) -> dict[str, Any]:
         _plain(batch, self.name, ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "label"))
@@ -115,7 +116,7 @@ class Flat(LoaderReader):
         return {"input_ids": padded, "attention_mask": mask, "labels": batch["label"], "text": batch["text"]}
 
 
-class FlatFloor(Reader):
+class FlatFloor(GatherFloor):
     """The floor of flat batches: per batch, the rows' ``[offset, extent, length]`` taken from the cache's
     ``input_ids.index.npy`` and each value's int64 tokens copied from ``input_ids.heap`` (mapped as numpy) into one
     new flat array, back to back, each text's bytes copied out of ``text.heap`` (not decoded), and the labels taken
@@ -160,15 +161,6 @@ class FlatFloor(Reader):
             texts = index.take(rows, 0)
             _ = [data[o:o + n].tobytes() for o, n in zip(texts[:, 0].tolist(), texts[:, 2].tolist())]
         return flat, lengths, self.labels.take(rows)
-
-    def epoch(self, batch: int, workers: int) -> Callable[[], None]:
-        rng, n = np.random.default_rng(SEED), self.corpus.n
-
-        def run() -> None:
-            perm = rng.permutation(n)
-            for k in range(0, n, batch):
-                self.gather(perm[k:k + batch])
-        return run
 
     def batches(self, index_lists: list[list[int]]) -> list[dict[str, Any]]:
         out = []

@@ -8,9 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from benchmark import epochs
 from benchmark.core import Timed
-from benchmark.groups.text_corpus import Corpus
+from benchmark.groups.text_corpus import SEED, Corpus
 from mmapcache import MmapCachedDataset
 
 
@@ -67,3 +69,20 @@ class LoaderReader(Reader):
 
     def release(self) -> None:
         self.loaders.clear()  # persistent workers end with their iterator, once nothing holds the loader
+
+
+class GatherFloor(Reader):
+    """A floor: ``gather(rows)`` copies a batch's bytes with numpy alone, one process (workers do not apply); an
+    epoch gathers the batches of a seeded permutation."""
+
+    def gather(self, rows: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def epoch(self, batch: int, workers: int) -> Callable[[], None]:
+        rng, n = np.random.default_rng(SEED), self.corpus.n
+
+        def run() -> None:
+            perm = rng.permutation(n)
+            for k in range(0, n, batch):
+                self.gather(perm[k:k + batch])
+        return run

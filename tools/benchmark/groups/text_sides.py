@@ -26,11 +26,11 @@ from torch.utils.data import DataLoader
 from benchmark.core import Timed
 from benchmark.groups.text_corpus import SEED, Corpus, open_corpus, pad_collate
 from benchmark.groups.text_model_sides import Flat, FlatFloor, Narrowed, TextDict
-from benchmark.groups.text_reader import LoaderReader, Reader
+from benchmark.groups.text_reader import GatherFloor, LoaderReader, Reader
 from mmapcache import MmapCachedDataset, PadCollate
 
 
-class Floor(Reader):
+class Floor(GatherFloor):
     """No DataLoader, no torch: per batch, each sample's int64 ids and mask copied out of the concatenated arrays
     into ``np.zeros((B, longest))``, and the labels taken. What the bytes alone cost; workers do not apply."""
 
@@ -51,15 +51,6 @@ class Floor(Reader):
             ids[j, :e - s] = self.ids[s:e]
             mask[j, :e - s] = self.mask[s:e]
         return ids, mask, self.labels[rows]
-
-    def epoch(self, batch: int, workers: int) -> Callable[[], None]:
-        rng, n = np.random.default_rng(SEED), self.corpus.n
-
-        def run() -> None:
-            perm = rng.permutation(n)
-            for k in range(0, n, batch):
-                self.gather(perm[k:k + batch])
-        return run
 
     def batches(self, index_lists: list[list[int]]) -> list[dict[str, Any]]:
         out = []
