@@ -12,6 +12,7 @@ caller take the checked path, which computes what is missing and reports damage.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -21,8 +22,8 @@ import torch
 from .gather import alloc_shared, buffers
 from .ragged import gather_ragged
 
-__all__ = ["Located", "WarmRows", "bits_of", "fill_padded", "filled", "flat_tensor", "mask_of", "padded_tensor",
-           "same_storage"]
+__all__ = ["Located", "WarmRows", "bits_of", "fill_padded", "filled", "flat_tensor", "joined", "mask_of",
+           "padded_tensor", "positions", "same_storage"]
 
 # At or below this many elements per value on average, values are padded by one vectorised scatter; above, each is
 # copied as a slice (a Python step per value, no index arrays as long as the batch's tokens).
@@ -211,22 +212,60 @@ _BITS = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 def bits_of(dtype: torch.dtype) -> torch.dtype | None:
     """For a dtype numpy has no type for (bfloat16, float8, complex32), the unsigned integer of its width, whose bits
     stand in for it (as a cache stores it); None for any other."""
-    try:
-        torch.empty(0, dtype=dtype).numpy()
-    except TypeError:
-        return _BITS[torch.empty(0, dtype=dtype).element_size()]
-    return None
+    return _storage(dtype)[0]
+
+
+_storages: dict[torch.dtype, tuple[torch.dtype | None, np.dtype]] = {}
+
+
+def _storage(dtype: torch.dtype) -> tuple[torch.dtype | None, np.dtype]:
+    """``bits_of(dtype)``, and the numpy dtype a tensor of ``dtype`` is filled as (its bits' for one numpy lacks);
+    kept per dtype (asking torch costs microseconds, a batch asks several times)."""
+    known = _storages.get(dtype)
+    if known is None:
+        try:
+            known = (None, torch.empty(0, dtype=dtype).numpy().dtype)
+        except TypeError:
+            bits = _BITS[torch.empty(0, dtype=dtype).element_size()]
+            known = (bits, torch.empty(0, dtype=bits).numpy().dtype)
+        _storages[dtype] = known
+    return known
 
 
 def padded_tensor(located: Located, pad: Any, dtype: torch.dtype, width: int) -> torch.Tensor:
     """A ``(B, width)`` tensor of ``dtype``: each located value from column 0, then ``pad``; copied once, converted
     on the way (a narrower stored dtype). A dtype numpy lacks is filled as its bits (the located values are)."""
-    bits = bits_of(dtype)
+    bits, np_dtype = _storage(dtype)
     if bits is not None:
         pad = torch.tensor([pad], dtype=dtype).view(bits).item()
-    out = filled((len(located.lengths), width), pad, bits or dtype)
+    count = len(located.lengths)
+    out = filled((count, width), pad, bits or dtype)
+    if count and width and int(located.lengths.sum()) > _SCATTER_BELOW * count and all(
+            elements.dtype == np_dtype and elements.flags.c_contiguous for elements, _, _ in located.parts):
+        # Each value's bytes into its row through memoryviews (a slice costs a third of a numpy slice).
+        target, row, r = out.numpy().data.cast("B"), width * np_dtype.itemsize, 0
+        for elements, starts, lengths in located.parts:
+            for piece in _pieces(elements, starts, lengths):
+                target[r:r + len(piece)] = piece
+                r += row
+        return out if bits is None else out.view(dtype)
     fill_padded(out.numpy(), located)
     return out if bits is None else out.view(dtype)
+
+
+_constants: dict[tuple[Any, np.dtype], np.ndarray] = {}
+
+
+def _constant(value: Any, dtype: np.dtype, length: int) -> np.ndarray:
+    """At least ``length`` elements of ``value`` (kept per value and dtype, grown as batches widen)."""
+    key = (value, dtype)
+    held = _constants.get(key)
+    if held is None or len(held) < length:
+        if len(_constants) > 64:
+            _constants.clear()
+        held = _constants[key] = np.full(max(length, 4096), value, dtype)
+    return held
+
 
 def filled(shape: tuple[int, ...], value: Any, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of ``value``; in a DataLoader worker over shared memory, so that the batch crosses to the main
@@ -235,8 +274,8 @@ def filled(shape: tuple[int, ...], value: Any, dtype: torch.dtype) -> torch.Tens
     batch's array of a megabyte was page-faulted in on its first writes (np.zeros: fresh pages), which cost more
     than copying the tokens into it."""
     if torch.utils.data.get_worker_info() is None:
-        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        out = buffers.bytes(int(np.prod(shape)) * np_dtype.itemsize).view(np_dtype).reshape(shape)
+        np_dtype = _storage(dtype)[1]
+        out = buffers.bytes(math.prod(shape) * np_dtype.itemsize).view(np_dtype).reshape(shape)
         out.fill(value)
         return torch.from_numpy(out)
     count = int(np.prod(shape))
@@ -270,28 +309,67 @@ def _fill_rows(target: np.ndarray, elements: np.ndarray, starts: np.ndarray, len
 
 def flat_tensor(located: Located, dtype: torch.dtype) -> torch.Tensor:
     """A ``(T,)`` tensor of ``dtype``: the located values back to back, copied once (converted on the way: a
-    narrower stored dtype); consecutive values of a part in one slice. A dtype numpy lacks is filled as its bits."""
-    bits = bits_of(dtype)
+    narrower stored dtype). A dtype numpy lacks is filled as its bits."""
+    bits, np_dtype = _storage(dtype)
+    if all(elements.dtype == np_dtype and elements.flags.c_contiguous for elements, _, _ in located.parts):
+        # No conversion: the bytes as stored.
+        out = joined([piece for elements, starts, lengths in located.parts
+                      for piece in _pieces(elements, starts, lengths)], bits or dtype)
+        return out if bits is None else out.view(dtype)
     total = int(located.lengths.sum())
     out = filled((total,), 0, bits or dtype) if torch.utils.data.get_worker_info() is not None else torch.empty(
         total, dtype=bits or dtype)
     target, at = out.numpy(), 0
     for elements, starts, lengths in located.parts:
-        if len(lengths) and bool((starts[1:] == starts[:-1] + lengths[:-1]).all()):
-            size = int(lengths.sum())
-            target[at:at + size] = elements[int(starts[0]):int(starts[0]) + size]
-            at += size
-            continue
         for start, length in zip(starts.tolist(), lengths.tolist()):
             target[at:at + length] = elements[start:start + length]
             at += length
     return out if bits is None else out.view(dtype)
 
 
+def joined(pieces: list[memoryview], dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor of ``dtype`` (one numpy has) of the pieces' bytes back to back: one ``bytearray.join`` (sized
+    once, then filled; a memoryview slice per value costs a third of a numpy slice), which the tensor owns. In a
+    DataLoader worker, in shared memory (see ``filled``)."""
+    if torch.utils.data.get_worker_info() is None:
+        data = bytearray().join(pieces)
+        return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+    nbytes = sum(len(piece) for piece in pieces)
+    out = filled((nbytes,), 0, torch.uint8)
+    target, at = out.numpy().data, 0
+    for piece in pieces:
+        target[at:at + len(piece)] = piece
+        at += len(piece)
+    return out.view(dtype)
+
+
+def _pieces(elements: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
+    """Each located value's bytes, as a memoryview of ``elements`` (1-D, contiguous)."""
+    raw, size = elements.data.cast("B"), elements.itemsize
+    return [raw[a:b] for a, b in zip((starts * size).tolist(), ((starts + lengths) * size).tolist())]
+
+
+_ramp = np.arange(4096, dtype=np.int64)
+
+
+def positions(lengths: np.ndarray) -> torch.Tensor:
+    """Each value's positions ``0 .. length - 1``, value after value (int64): the front of one ramp per value,
+    joined as ``flat_tensor`` joins values."""
+    global _ramp
+    longest = int(lengths.max()) if len(lengths) else 0
+    ramp = _ramp
+    if longest > len(ramp):
+        ramp = _ramp = np.arange(max(longest, 2 * len(ramp)), dtype=np.int64)
+    raw = ramp.data.cast("B")
+    return joined([raw[:n] for n in (lengths * ramp.itemsize).tolist()], torch.int64)
+
+
 def mask_of(lengths: np.ndarray, width: int, dtype: torch.dtype) -> torch.Tensor:
     """``(B, width)``: 1 (True) where position ``j < lengths[k]``, else 0."""
     out = filled((len(lengths), width), 0, dtype)
-    target = out.numpy()
-    for k, length in enumerate(lengths.tolist()):  # (a row at a time: 2x one broadcast comparison and its cast)
-        target[k, :length] = 1
+    target, row, r = out.numpy().data.cast("B"), width * out.element_size(), 0
+    ones = _constant(1, out.numpy().dtype, width).data.cast("B")
+    for n in (lengths * out.element_size()).tolist():  # (a row at a time: 2x one broadcast comparison and its cast)
+        target[r:r + n] = ones[:n]
+        r += row
     return out

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from .heap_batch import Located, WarmRows, bits_of, flat_tensor, mask_of, padded_tensor
+from .heap_batch import Located, WarmRows, bits_of, flat_tensor, mask_of, padded_tensor, positions
 
 __all__ = ["TextCollate"]
 
@@ -205,17 +205,19 @@ class TextCollate:
         for name in names:
             if name in values:
                 located, dtype = values[name]
-                if not np.array_equal(located.lengths, lengths):
+                if located.lengths is not lengths and not np.array_equal(located.lengths, lengths):
                     raise ValueError(f"TextCollate(flatten=True): field {name!r}'s values are not as long as "
                                      f"{source!r}'s: one row of tokens needs fields of equal lengths (pass "
                                      f"fields=[...] to flatten those that are)")
                 out[name] = flat_tensor(located, dtype)[None, :]
             elif name in rest and name != self.attention_mask:
                 out[name] = rest[name]
-        kept = lengths[lengths > 0]  # (as Hugging Face's: an empty sample is no sequence of the row)
-        cu = np.zeros(len(kept) + 1, np.int32)
-        np.cumsum(kept, out=cu[1:])
-        out["position_ids"] = torch.from_numpy(_positions(lengths, int(cu[-1])))[None]
+        ends = np.cumsum(lengths)
+        cu = np.zeros(len(lengths) + 1, np.int32)
+        cu[1:] = ends
+        if len(lengths) and not lengths.all():  # (as Hugging Face's: an empty sample is no sequence of the row)
+            cu = np.concatenate([cu[:1], cu[1:][lengths > 0]])
+        out["position_ids"] = positions(lengths)[None]
         made = self.labels if self.labels is not None else _LABELS if _LABELS in values else None
         if made is not None:  # no sample's first token predicts across the one before it
             labels = out[made].clone()
@@ -345,17 +347,6 @@ def _target(field: Any) -> torch.dtype:
         return getattr(torch, field.torch_dtype)
     return torch.from_numpy(np.zeros(0, field.np_dtype)).dtype
 
-
-
-def _positions(lengths: np.ndarray, total: int) -> np.ndarray:
-    """Each token's position in its sample, ``0 .. length - 1`` sample after sample: ones summed, each sample's first
-    step set to go back to 0 (one pass over the tokens, no index arrays as long as them)."""
-    steps = np.ones(total, np.int64)
-    kept = lengths[lengths > 0]
-    if len(kept):
-        steps[0] = 0
-        steps[np.cumsum(kept)[:-1]] = 1 - kept[:-1]
-    return np.cumsum(steps, out=steps)
 
 
 def _located(flat: np.ndarray, lengths: np.ndarray) -> Located:
