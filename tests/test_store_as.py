@@ -283,11 +283,13 @@ def test_rewrites_and_a_mixture_with_an_unnarrowed_source_read_the_same_values(t
     b = MmapCachedDataset(str(tmp_path / "plain"), Tokenized(N, seed=1))
     b.fill()
     mixture = Mixture([a, b], counts=[N, N], seed=3)
-    collate = TextCollate({"input_ids": 0})
-    for batch, sources in mixture.loader(batch_size=16, collate_fn=collate, return_source=True):
-        samples = [(source if s == 0 else Tokenized(N, seed=1))[int(r[0]) // 1000]
-                   for r, s in zip(batch["input_ids"], sources.tolist())]
-        assert same(batch, collate(samples))
+    for collate in (TextCollate({"input_ids": 0}), TextCollate(flatten=True)):  # (flat: each part widened at once)
+        for batch, sources in mixture.loader(batch_size=16, collate_fn=collate, return_source=True):
+            firsts = batch["input_ids"][:, 0] if not collate.flatten else batch["input_ids"][0, batch[
+                "cu_seq_lens_q"][:-1].long()]
+            samples = [(source if s == 0 else Tokenized(N, seed=1))[int(first) // 1000]
+                       for first, s in zip(firsts, sources.tolist())]
+            assert same(batch, collate(samples))
     a.close()
     b.close()
 

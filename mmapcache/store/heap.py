@@ -126,6 +126,7 @@ class Heap:
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self.buf = np.empty(0, np.uint8)
+        self._elements: tuple[np.ndarray, np.dtype, np.ndarray] | None = None  # (see ``elements``)
         self.size = 0
         # The file's size as this process last saw it (fstat, or its own posix_fallocate): a file never shrinks
         # (see check_counters).
@@ -202,6 +203,14 @@ class Heap:
             self._maps.append(m)
             self.buf = np.frombuffer(m, np.uint8)
             self.size = size
+
+    def elements(self, dtype: np.dtype) -> np.ndarray:
+        """The mapped bytes as elements of ``dtype`` (the whole ones), kept until the next remap."""
+        kept = self._elements
+        if kept is None or kept[0] is not self.buf or kept[1] != dtype:
+            buf = self.buf
+            kept = self._elements = (buf, dtype, buf[:len(buf) - len(buf) % dtype.itemsize].view(dtype))
+        return kept[2]
 
     def covering(self, end: int) -> np.ndarray:
         """The mapped bytes, remapped if ``end`` lies past them (a value written after this process mapped)."""
@@ -455,7 +464,7 @@ class Heap:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self.fd)
-        self.buf = np.empty(0, np.uint8)
+        self.buf, self._elements = np.empty(0, np.uint8), None
         for m in self._maps:
             with contextlib.suppress(BufferError, ValueError):
                 m.close()
