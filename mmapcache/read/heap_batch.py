@@ -76,8 +76,6 @@ class WarmRows:
         """Field ``k``'s values (a 1-D ragged field of numbers), in their heaps; None if an index row describes no
         value there (damage, or a row being rewritten: the checked path says which). The index rows of every part
         are checked at once (a mixture's batch: one check for all its sources)."""
-        if len(self.parts) == 1:
-            return self._located_one(k)
         fields = [reader.fields[k] for reader, _ in self.parts]
         if not fields[0].ragged:  # fixed rows: value r is row r of the field's array, whole
             return self._located_fixed(k)
@@ -87,56 +85,38 @@ class WarmRows:
         if any(field.ones for field in fields):
             if every[:, :2].any() or not all(field.ones for field in fields) or (len(lengths) and lengths.min() < 0):
                 return None  # (a field of ones has only lengths: its index rows' extents are empty)
-            longest = np.ones(int(lengths.max()) if len(lengths) else 0, fields[0].np_dtype)
+            longest = _constant(1, fields[0].np_dtype, int(lengths.max()) if len(lengths) else 0)
             return Located([(longest, np.zeros(len(e), np.int64), e[:, 2]) for e in entries], lengths)
         dtypes = [field.storage_dtype for field in fields]
         sizes = [len(rows) for _, rows in self.parts]
-        one = all(dtype == dtypes[0] for dtype in dtypes[1:])
-        # Each row's item size and what its value may reach (its heap's mapped bytes): scalars for one cache (or
-        # sources stored alike), else repeated over each part's rows (sources stored in other widths: store_as).
-        itemsize: Any = dtypes[0].itemsize if one else np.repeat([d.itemsize for d in dtypes], sizes)
         heaps = [reader.store.heaps[k] for reader, _ in self.parts]
-        mapped: Any = heaps[0].size if len(heaps) == 1 else np.repeat([heap.size for heap in heaps], sizes)
-        offsets, nbytes = every[:, 0], lengths * itemsize
-        ends = offsets + nbytes
-        # A negative offset or length or a misaligned offset (the sign bit, or the bits below the item size: one
-        # mask), a value past its extent, or past the mapped heap.
-        if len(lengths) and (((offsets & (itemsize - 1 | _SIGN)) | (lengths & _SIGN)).any() or (
-                nbytes > every[:, 1]).any() or (ends > mapped).any()) and not self._remapped(
-                heaps, ends, sizes, every, itemsize):
-            return None
-        parts, a = [], 0
-        for heap, size, dtype in zip(heaps, sizes, dtypes):
-            buf = heap.buf
-            elements = buf[:len(buf) - len(buf) % dtype.itemsize].view(dtype)
-            parts.append((elements, offsets[a:a + size] // dtype.itemsize, lengths[a:a + size]))
-            a += size
-        return Located(parts, lengths)
-
-    def _located_one(self, k: int) -> Located | None:
-        """``located`` for one cache's batch: the same checks, with one index, heap and item size."""
-        reader, rows = self.parts[0]
-        field = reader.fields[k]
-        if not field.ragged:
-            return self._located_fixed(k)
-        every = reader.store.index[k].take(rows, 0)
-        lengths = every[:, 2]
-        if field.ones:
-            if every[:, :2].any() or (len(lengths) and lengths.min() < 0):
-                return None
-            return Located([(_constant(1, field.np_dtype, int(lengths.max()) if len(lengths) else 0),
-                             np.zeros(len(lengths), np.int64), lengths)], lengths)
-        dtype = field.storage_dtype
-        size, heap, offsets = dtype.itemsize, reader.store.heaps[k], every[:, 0]
-        nbytes = lengths * size
+        # Each row's item size and what its value may reach (its heap's mapped bytes): scalars for one cache (an
+        # item size also for sources stored alike), else set part by part (sources stored in other widths).
+        itemsize: Any = dtypes[0].itemsize
+        mapped: Any = heaps[0].size
+        if len(heaps) > 1:
+            mapped, a = np.empty(len(lengths), np.int64), 0
+            wide = any(dtype != dtypes[0] for dtype in dtypes[1:])
+            if wide:
+                itemsize = np.empty(len(lengths), np.int64)
+            for heap, size, dtype in zip(heaps, sizes, dtypes):
+                mapped[a:a + size] = heap.size
+                if wide:
+                    itemsize[a:a + size] = dtype.itemsize
+                a += size
+        offsets = every[:, 0]
+        nbytes = lengths * itemsize
         # Each sign bit (a negative offset or length, a length past the heap's size, so large its bytes would
         # overflow, a value past its extent or past the mapped heap) and each offset's bits below the item size.
-        mapped = heap.size
-        if len(lengths) and (((offsets | lengths | (mapped - lengths) | (every[:, 1] - nbytes)) & _SIGN) | (
-                offsets & (size - 1)) | ((mapped - offsets - nbytes) & _SIGN)).any() and not self._remapped(
-                [heap], offsets + nbytes, [len(rows)], every, size):
+        if len(lengths) and (((offsets | lengths | (mapped - lengths) | (every[:, 1] - nbytes) | (
+                mapped - offsets - nbytes)) & _SIGN) | (offsets & (itemsize - 1))).any() and not self._remapped(
+                heaps, offsets + nbytes, sizes, every, itemsize):
             return None
-        return Located([(heap.elements(dtype), offsets // size, lengths)], lengths)
+        starts, parts, a = offsets // itemsize, [], 0
+        for heap, size, dtype in zip(heaps, sizes, dtypes):
+            parts.append((heap.elements(dtype), starts[a:a + size], lengths[a:a + size]))
+            a += size
+        return Located(parts, lengths)
 
     def _located_fixed(self, k: int) -> Located:
         """``located`` for a 1-D field in fixed rows (its length the field's): each part's rows in its array."""
