@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers.text_sources import Tokenized, expected_padded, same
-from mmapcache import Mixture, MmapCachedDataset, TextCollate
+from mmapcache import Mixture, MmapCachedDataset, PadCollate, TextCollate
 
 N = 37
 
@@ -337,3 +337,46 @@ def test_hugging_faces_trainer_trains_on_the_cache_with_the_collate(cache_path: 
         losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
         assert result.global_step == 6 and len(losses) == 6 and all(np.isfinite(losses))
         assert losses[-1] < losses[0]
+
+
+class _LongAndEmpty(torch.utils.data.Dataset):
+    """Token ids of 0, 1, 5000 and 9000 elements (past the 4096 of the ramps and pad rows the warm path keeps), with
+    a stored mask that holds zeros (a tokenizer's padding), a text and a label."""
+
+    def __init__(self, lengths: tuple[int, ...] = (0, 9000, 1, 5000, 0, 3, 4097, 2)) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        n = self.lengths[i]
+        ids = torch.arange(n, dtype=torch.int64) * 7 + i
+        mask = (torch.arange(n) % 5 != 0).to(torch.int64)
+        return {"input_ids": ids, "attention_mask": mask, "text": f"s{i}", "label": i}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_long_and_empty_values_read_warm_equal_the_samples_collated(cache_path: str, workers: int) -> None:
+    """The warm path copies values through kept ramps and pad rows of 4096 elements, grown for longer values: a
+    padded batch (stored mask, built mask, labels, a multiple), a flat one (positions, boundaries) and PadCollate's,
+    each equal to the same collate over the source's samples; also batches of empty values only, and a cache whose
+    values are all empty (its heaps hold no bytes)."""
+    collates = [TextCollate({"input_ids": -1}), TextCollate(build_mask=True, labels="input_ids", pad_to_multiple_of=8),
+                TextCollate(flatten=True, labels="input_ids"),
+                PadCollate(3, mask=True, fields=["input_ids", "attention_mask"])]  # (fields: padded when all empty)
+    for name, source, ragged in (("long", _LongAndEmpty(), "auto"), ("empty", _LongAndEmpty((0,) * 8), None),
+                                 ("empty heaps", _LongAndEmpty((0,) * 8), ["input_ids", "attention_mask"])):
+        with MmapCachedDataset(f"{cache_path}-{name}", source, ragged=ragged) as ds:
+            ds.fill()
+            # (all empty and not said ragged, the fields are fixed, of shape (0,): PadCollate pads ragged ones only)
+            for collate in collates if ragged else collates[:3]:
+                for order in ([7, 1, 0, 3, 4], [2, 6, 5], [0, 4]):
+                    (batch,) = ds.loader(batch_size=len(order), sampler=order, collate_fn=collate,
+                                         num_workers=workers)
+                    expected = collate([source[i] for i in order])
+                    if isinstance(collate, PadCollate):  # (Padded tuples: data, lengths, mask)
+                        assert all(torch.equal(a, b) for key in ("input_ids", "attention_mask")
+                                   for a, b in zip(batch[key], expected[key])), (name, order)
+                    else:
+                        assert same(batch, expected), (name, collate.__dict__, order)

@@ -383,6 +383,8 @@ def positions(lengths: np.ndarray) -> torch.Tensor:
 def mask_of(lengths: np.ndarray, width: int, dtype: torch.dtype) -> torch.Tensor:
     """``(B, width)``: 1 (True) where position ``j < lengths[k]``, else 0."""
     out = filled((len(lengths), width), 0, dtype)
+    if not out.numel():
+        return out  # (no row or no column: a memoryview of it cannot be cast)
     target, row, r = out.numpy().data.cast("B"), width * out.element_size(), 0
     ones = _constant(1, out.numpy().dtype, width).data.cast("B")
     for n in (lengths * out.element_size()).tolist():  # (a row at a time: 2x one broadcast comparison and its cast)
