@@ -69,7 +69,11 @@ class WarmRows:
 
     def paddable(self, k: int) -> bool:
         """Whether field ``k`` is a 1-D field of numbers, ragged or in fixed rows (what ``located`` finds)."""
-        field = self.fields[k]
+        return self.paddable_field(self.fields[k])
+
+    @staticmethod
+    def paddable_field(field: Any) -> bool:
+        """``paddable`` of a field."""
         return len(field.shape) == 1 and field.kind not in _NOT_PADDED and not field.variable
 
     def located(self, k: int) -> Located | None:

@@ -94,6 +94,7 @@ class TextCollate:
         self.labels, self.ignore_index = labels, int(ignore_index)
         self.flatten, self.multiple = bool(flatten), pad_to_multiple_of
         self.fields = None if fields is None else list(fields)
+        self._kept_plans: dict[int, tuple[list[Any], Any]] = {}  # (see ``_warm_plan``)
 
     def pad_of(self, name: str) -> int:
         """The value ``name`` is padded with (a ``labels`` field: ``ignore_index`` unless ``pad`` names it)."""
@@ -237,27 +238,48 @@ class TextCollate:
         warm = WarmRows(parts)
         if not warm.begin():
             return None
-        fields = warm.fields
-        names = [f.name for f in fields if f.kind != "json"]
-        number = {f.name: k for k, f in enumerate(fields)}
-        padded = self._padded_names(names, lambda n: _one_dim(fields[number[n]]))
+        names, padded, others = self._warm_plan(warm.fields)
+        if padded is None:
+            return None  # (values the warm path does not pad: the checked path pads them)
         values: dict[str, tuple[Located, torch.dtype]] = {}
-        for name in padded:
-            located = warm.located(number[name]) if warm.paddable(number[name]) else None
+        for name, k, dtype in padded:
+            located = warm.located(k)
             if located is None:
-                return None  # (values the warm path does not pad, or damage: the checked path pads or reports it)
-            values[name] = (located, _target(fields[number[name]]))
+                return None  # (damage, or a row being rewritten: the checked path reports it or reads it again)
+            values[name] = (located, dtype)
         rest: dict[str, Any] = {}
-        for k, field in enumerate(fields):
-            if field.name in values or field.kind == "json" or (
-                    field.name == self.attention_mask and (self._builds(names) or self.flatten)):
-                continue
+        for name, k in others:
             value = warm.other(k)
             if value is None:
                 return None
-            rest[field.name] = value
+            rest[name] = value
         batch = self._assemble(names, values, rest)
         return batch if warm.unchanged() else None
+
+    def _warm_plan(self, fields: list[Any]) -> tuple[list[str], list[tuple[str, int, torch.dtype]] | None,
+                                                      list[tuple[str, int]]]:
+        """For a cache's fields: the batch's field names, the padded fields (name, number, the dtype they are
+        served in; None if one is not a 1-D field of numbers the warm path pads) and the other fields it reads
+        (name, number). Kept per fields list (one cache's, or a mixture's first source's in the batch: its sources
+        store their fields alike), so a batch does not decide it again."""
+        kept = self._kept_plans.get(id(fields))
+        if kept is not None and kept[0] is fields:  # (the same list: an id is reused only once it is freed)
+            return kept[1]
+        names = [f.name for f in fields if f.kind != "json"]
+        number = {f.name: k for k, f in enumerate(fields)}
+        chosen = self._padded_names(names, lambda n: _one_dim(fields[number[n]]))
+        padded: list[tuple[str, int, torch.dtype]] | None = [
+            (name, number[name], _target(fields[number[name]])) for name in chosen]
+        if not all(WarmRows.paddable_field(fields[number[name]]) for name in chosen):
+            padded = None
+        skipped = self.attention_mask if self._builds(names) or self.flatten else None
+        others = [(f.name, k) for k, f in enumerate(fields)
+                  if f.name not in chosen and f.kind != "json" and f.name != skipped]
+        plan = (names, padded, others)
+        if len(self._kept_plans) >= 16:
+            self._kept_plans.clear()
+        self._kept_plans[id(fields)] = (fields, plan)
+        return plan
 
     def from_columns(self, reader: Any, columns: list[Any]) -> dict[str, Any]:
         """The batch from a checked gather's columns (``RowReader.gather``: fixed arrays, ``RaggedColumn``s)."""
