@@ -19,7 +19,10 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from ..format.layout import JSON, TEXT_KINDS
 from .gather import buffers, in_dataloader_worker
+from .heap_batch import WarmRows, mask_of, padded_tensor
+from .ragged import torch_target
 
 __all__ = ["PadCollate", "Padded"]
 
@@ -59,6 +62,7 @@ class PadCollate:
         self.fields = None if fields is None else frozenset(fields)
         if self.fields is not None and not all(isinstance(name, str) for name in self.fields):
             raise TypeError(f"fields must be field paths (str), got {sorted(map(repr, self.fields))}")
+        self._targets: dict[tuple[Any, ...], torch.dtype] = {}  # (see ``_padded``)
 
     def __call__(self, batch: list[Any]) -> Any:
         seen: set[str] = set()
@@ -133,9 +137,6 @@ class PadCollate:
         turn) as the checked path collates it, each padded 1-D field copied once, straight from the heaps into
         ``data`` (``read.heap_batch``); None where a row is not complete, a writer changed a cache meanwhile, or a
         padded field has values of more dimensions (the caller gathers with the checks and collates)."""
-        from ..format.layout import JSON, TEXT_KINDS
-        from .heap_batch import WarmRows
-
         warm = WarmRows(parts)
         if not warm.begin():
             return None
@@ -157,12 +158,13 @@ class PadCollate:
 
     def _padded(self, field: Any, located: Any) -> Padded:
         """A field's located values padded as ``pad`` pads them."""
-        from .heap_batch import mask_of, padded_tensor
-        from .ragged import torch_target
-
-        target = torch_target(field) or torch.from_numpy(np.zeros(0, field.np_dtype)).dtype
-        if target == torch.from_numpy(np.zeros(0, field.np_dtype)).dtype:
-            _check_pad_value(self.pad_value, field.np_dtype)  # (a dtype numpy lacks takes any number's bits)
+        key = (field.kind, field.torch_dtype, field.np_dtype)
+        target = self._targets.get(key)
+        if target is None:  # (once per kind of field: asking torch and numpy costs microseconds a batch)
+            target = torch_target(field) or torch.from_numpy(np.zeros(0, field.np_dtype)).dtype
+            if target == torch.from_numpy(np.zeros(0, field.np_dtype)).dtype:
+                _check_pad_value(self.pad_value, field.np_dtype)  # (a dtype numpy lacks takes any number's bits)
+            self._targets[key] = target
         lengths = located.lengths
         width = int(lengths.max()) if len(lengths) else 0
         data = padded_tensor(located, self.pad_value, target, width)
