@@ -300,3 +300,42 @@ def test_held_padded_batches_are_never_overwritten_by_recycled_buffers() -> None
     for _ in range(3):  # dropped at once: recycled, refilled
         for b, want in zip(batches, expected):
             assert torch.equal(pad(b).data, want)
+
+
+class _ReadInWorkers(torch.utils.data.Dataset):
+    """Item ``k``: the cache's batch of rows ``4k .. 4k + 3`` as ``read_batch`` makes it in a DataLoader worker, and
+    whether each of its tensors is in shared memory there (what a worker sends without copying it again)."""
+
+    def __init__(self, ds: MmapCachedDataset, pad: Any = None) -> None:
+        self.ds, self.pad = ds, pad
+
+    def __len__(self) -> int:
+        return len(self.ds) // 4
+
+    def __getitem__(self, k: int) -> Any:
+        batch = self.ds.read_batch(list(range(4 * k, 4 * k + 4)), pad=self.pad)
+        leaves = list(batch.values()) if isinstance(batch, dict) else list(batch)
+        return batch, [leaf.is_shared() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def test_a_workers_batch_tensors_are_made_in_shared_memory(cache_path: str) -> None:
+    """A worker's batch columns are gathered into shared memory and handed on as those tensors: torch.from_numpy of
+    them made tensors torch did not know were shared, which it copied into new shared memory to send (every batch
+    copied twice). Fixed fields (images, labels), and token batches of TextCollate (padded) read from the heaps."""
+    from helpers.sources import ImageLabels
+    from helpers.text_sources import Tokenized, same
+    from mmapcache import TextCollate
+
+    images = MmapCachedDataset(cache_path + "-images", ImageLabels(16))
+    tokens = MmapCachedDataset(cache_path + "-tokens", Tokenized(16))
+    for ds, pad in ((images, None), (tokens, TextCollate(0))):
+        ds.fill()
+        loader = DataLoader(_ReadInWorkers(ds, pad), batch_size=None, num_workers=2)
+        for k, (batch, shared) in enumerate(loader):
+            assert shared and all(shared), (ds.path, shared)
+            expected = ds.read_batch(list(range(4 * k, 4 * k + 4)), pad=pad)  # (this process: not in a worker)
+            if pad is None:
+                assert all(torch.equal(a, b) for a, b in zip(batch, expected))
+            else:
+                assert same(batch, expected)
+        ds.close()

@@ -177,9 +177,7 @@ def batch_converter(field: Field) -> Callable[[np.ndarray], Any]:
     """A function turning a batch of stored values (leading batch axis, a fixed field) into what
     ``default_collate`` makes of them: a tensor; for a list of numbers, its transposition (nested lists of
     tensors of one element per sample, as ``default_collate`` builds from lists)."""
-    import torch
-
-    from_numpy = torch.from_numpy
+    from_numpy = shared_from_numpy()
     if field.kind == PYLIST:
         def transpose(batch: np.ndarray) -> Any:
             if batch.ndim == 1:
@@ -191,6 +189,24 @@ def batch_converter(field: Field) -> Callable[[np.ndarray], Any]:
         if from_numpy(np.zeros(0, field.np_dtype)).dtype != target:
             return lambda a: from_numpy(a).view(target)
     return from_numpy
+
+
+def shared_from_numpy() -> Callable[[np.ndarray], Any]:
+    """``torch.from_numpy``, except for an array that is a whole shared-memory tensor's numpy view (a DataLoader
+    worker's batch column, ``read.gather.alloc_shared``): that tensor itself. ``torch.from_numpy`` would wrap the
+    memory in a tensor torch does not know is shared, which the worker then copies into new shared memory to send
+    it (the batch copied twice)."""
+    import torch
+
+    from_numpy, tensor = torch.from_numpy, torch.Tensor
+
+    def convert(a: np.ndarray) -> Any:
+        base = a.base
+        if type(base) is tensor and base.shape == a.shape and base.is_shared() and (
+                base.data_ptr() == a.__array_interface__["data"][0]):
+            return base
+        return from_numpy(a)
+    return convert
 
 
 # --- tensor subclasses -------------------------------------------------------------------------------------------
