@@ -251,8 +251,7 @@ def padded_tensor(located: Located, pad: Any, dtype: torch.dtype, width: int) ->
         pad = torch.tensor([pad], dtype=dtype).view(bits).item()
     count = len(located.lengths)
     out = filled((count, width), pad, bits or dtype)
-    if count and width and int(located.lengths.sum()) > _SCATTER_BELOW * count and all(
-            elements.dtype == np_dtype and elements.flags.c_contiguous for elements, _, _ in located.parts):
+    if count and width and int(located.lengths.sum()) > _SCATTER_BELOW * count and _as_stored(located, np_dtype):
         # Each value's bytes into its row through memoryviews (a slice costs a third of a numpy slice).
         target, row, r = out.numpy().data.cast("B"), width * np_dtype.itemsize, 0
         for elements, starts, lengths in located.parts:
@@ -264,22 +263,29 @@ def padded_tensor(located: Located, pad: Any, dtype: torch.dtype, width: int) ->
     return out if bits is None else out.view(dtype)
 
 
+def _as_stored(located: Located, np_dtype: np.dtype) -> bool:
+    """Whether every part holds ``np_dtype`` values, contiguous: their bytes are the batch's, copied as they are."""
+    return all(elements.dtype == np_dtype and elements.flags.c_contiguous for elements, _, _ in located.parts)
+
+
 def _stored_flat(elements: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """A part's located values back to back, in their stored dtype (``elements``, 1-D, contiguous)."""
     return np.frombuffer(bytearray().join(_pieces(elements, starts, lengths)) or bytearray(0), elements.dtype)
 
 
-_constants: dict[tuple[Any, np.dtype], np.ndarray] = {}
+_kept: dict[tuple[Any, ...], np.ndarray] = {}
 
 
 def _constant(value: Any, dtype: np.dtype, length: int) -> np.ndarray:
-    """At least ``length`` elements of ``value`` (kept per value and dtype, grown as batches widen)."""
+    """At least ``length`` elements of ``value`` (``value`` None: the ramp 0, 1, 2, ...), kept per value and dtype
+    and grown as batches widen: the rows the warm path copies pads, ones and positions from."""
     key = (value, dtype)
-    held = _constants.get(key)
+    held = _kept.get(key)
     if held is None or len(held) < length:
-        if len(_constants) > 64:
-            _constants.clear()
-        held = _constants[key] = np.full(max(length, 4096), value, dtype)
+        if len(_kept) > 64:
+            _kept.clear()
+        size = max(length, 4096)
+        held = _kept[key] = np.arange(size, dtype=dtype) if value is None else np.full(size, value, dtype)
     return held
 
 
@@ -327,8 +333,7 @@ def flat_tensor(located: Located, dtype: torch.dtype) -> torch.Tensor:
     """A ``(T,)`` tensor of ``dtype``: the located values back to back, copied once (converted on the way: a
     narrower stored dtype). A dtype numpy lacks is filled as its bits."""
     bits, np_dtype = _storage(dtype)
-    if all(elements.dtype == np_dtype and elements.flags.c_contiguous for elements, _, _ in located.parts):
-        # No conversion: the bytes as stored.
+    if _as_stored(located, np_dtype):
         out = joined([piece for elements, starts, lengths in located.parts
                       for piece in _pieces(elements, starts, lengths)], bits or dtype)
         return out if bits is None else out.view(dtype)
@@ -337,13 +342,14 @@ def flat_tensor(located: Located, dtype: torch.dtype) -> torch.Tensor:
         total, dtype=bits or dtype)
     target, at = out.numpy(), 0
     for elements, starts, lengths in located.parts:
-        size = int(lengths.sum())
         if elements.flags.c_contiguous:  # stored narrower: joined as stored, widened in one copy
+            size = int(lengths.sum())
             target[at:at + size] = _stored_flat(elements, starts, lengths)
-        else:
-            for start, length, end in zip(starts.tolist(), lengths.tolist(), np.cumsum(lengths).tolist()):
-                target[at + end - length:at + end] = elements[start:start + length]
-        at += size
+            at += size
+            continue
+        for start, length in zip(starts.tolist(), lengths.tolist()):
+            target[at:at + length] = elements[start:start + length]
+            at += length
     return out if bits is None else out.view(dtype)
 
 
@@ -369,17 +375,10 @@ def _pieces(elements: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> li
     return [raw[a:b] for a, b in zip((starts * size).tolist(), ((starts + lengths) * size).tolist())]
 
 
-_ramp = np.arange(4096, dtype=np.int64)
-
-
 def positions(lengths: np.ndarray) -> torch.Tensor:
     """Each value's positions ``0 .. length - 1``, value after value (int64): the front of one ramp per value,
     joined as ``flat_tensor`` joins values."""
-    global _ramp
-    longest = int(lengths.max()) if len(lengths) else 0
-    ramp = _ramp
-    if longest > len(ramp):
-        ramp = _ramp = np.arange(max(longest, 2 * len(ramp)), dtype=np.int64)
+    ramp = _constant(None, np.dtype(np.int64), int(lengths.max()) if len(lengths) else 0)
     raw = ramp.data.cast("B")
     return joined([raw[:n] for n in (lengths * ramp.itemsize).tolist()], torch.int64)
 
@@ -389,9 +388,10 @@ def mask_of(lengths: np.ndarray, width: int, dtype: torch.dtype) -> torch.Tensor
     out = filled((len(lengths), width), 0, dtype)
     if not out.numel():
         return out  # (no row or no column: a memoryview of it cannot be cast)
-    target, row, r = out.numpy().data.cast("B"), width * out.element_size(), 0
-    ones = _constant(1, out.numpy().dtype, width).data.cast("B")
-    for n in (lengths * out.element_size()).tolist():  # (a row at a time: 2x one broadcast comparison and its cast)
+    array = out.numpy()
+    target, row, r = array.data.cast("B"), array.strides[0], 0
+    ones = _constant(1, array.dtype, width).data.cast("B")
+    for n in (lengths * array.itemsize).tolist():  # (row by row: a third of one broadcast comparison's time)
         target[r:r + n] = ones[:n]
         r += row
     return out
