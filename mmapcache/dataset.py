@@ -28,7 +28,7 @@ from .fill.options import (
     source_length,
 )
 from .fill.stream import StreamControls
-from .read.gather import alloc_shared
+from .read.gather import alloc_shared, reserve_rows
 from .read.loader import make_loader
 from .read.reader import RowReader
 from .read.sampler import ShareSampler
@@ -284,6 +284,7 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         # In a DataLoader worker the batch arrays are shared memory: default_collate hands them on as they are (see
         # mmapcache.collate), and they cross to the main process without a copy.
         alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
+        reserve_rows(reader.fields, len(idx))
         samples = reader.samples(self.gather_columns(idx, self._epoch_view[0], alloc))
         if self.transform is not None:
             samples = [self.transform(s) for s in samples]
@@ -383,6 +384,7 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
             if batch is not None:
                 return batch
         alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
+        reserve_rows(reader.fields, len(idx))
         return reader.collate(self.gather_columns(idx, epoch, alloc), pad)
 
     def collate_columns(self, columns: list[Any], pad: Any = None) -> Any:

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import default_collate
 
 from ..format.layout import JSON, TEXT_KINDS
+from . import arena
 from .gather import buffers, in_dataloader_worker
 from .heap_batch import WarmRows, mask_of, padded_tensor
 from .ragged import torch_target
@@ -140,24 +141,31 @@ class PadCollate:
         warm = WarmRows(parts)
         if not warm.begin():
             return None
+        located: dict[int, Any] = {}
+        for k, field in enumerate(warm.fields):
+            if field.kind != JSON and field.ragged and field.kind not in TEXT_KINDS and (
+                    self.fields is None or field.name in self.fields):
+                located[k] = warm.located(k) if warm.paddable(k) else None
+                if located[k] is None:
+                    return None
+        if arena.active():  # (a worker's batch: its padded tensors and masks in one shared storage)
+            arena.reserve(sum(len(v.lengths) * int(v.lengths.max(initial=0)) * (
+                self._target(warm.fields[k]).itemsize + self.mask) for k, v in located.items()),
+                len(located) * (1 + self.mask))
         leaves: list[Any] = []
         for k, field in enumerate(warm.fields):
             if field.kind == JSON:
                 leaves.append(None)  # a tensor subclass's attributes: default_collate's stack drops them too
                 continue
-            if field.ragged and field.kind not in TEXT_KINDS and (self.fields is None or field.name in self.fields):
-                located = warm.located(k) if warm.paddable(k) else None
-                leaf = None if located is None else self._padded(field, located)
-            else:
-                leaf = warm.other(k)
+            leaf = self._padded(field, located[k]) if k in located else warm.other(k)
             if leaf is None:
                 return None
             leaves.append(leaf)
         batch = warm.reader.build_batch(leaves)
         return batch if warm.unchanged() else None
 
-    def _padded(self, field: Any, located: Any) -> Padded:
-        """A field's located values padded as ``pad`` pads them."""
+    def _target(self, field: Any) -> torch.dtype:
+        """The dtype a field's padded batch is served in."""
         key = (field.kind, field.torch_dtype, field.np_dtype)
         target = self._targets.get(key)
         if target is None:  # (once per kind of field: asking torch and numpy costs microseconds a batch)
@@ -165,6 +173,11 @@ class PadCollate:
             if target == torch.from_numpy(np.zeros(0, field.np_dtype)).dtype:
                 _check_pad_value(self.pad_value, field.np_dtype)  # (a dtype numpy lacks takes any number's bits)
             self._targets[key] = target
+        return target
+
+    def _padded(self, field: Any, located: Any) -> Padded:
+        """A field's located values padded as ``pad`` pads them."""
+        target = self._target(field)
         lengths = located.lengths
         width = int(lengths.max()) if len(lengths) else 0
         data = padded_tensor(located, self.pad_value, target, width)

@@ -217,11 +217,28 @@ class _Chunks:
 
 
 def alloc_shared(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A numpy array over a fresh shared-memory tensor storage: a worker's batch then crosses to the main process
-    without the copy that sending an ordinary tensor costs (torch's default collate does the same)."""
-    import torch
+    """A numpy array over a shared-memory tensor (the open batch arena's, ``read.arena``): a worker's batch then
+    crosses to the main process without the copy that sending an ordinary tensor costs (torch's default collate
+    makes its batches in shared memory too)."""
+    from . import arena
 
-    tensor = torch.from_numpy(np.empty(0, dtype))
-    count = math.prod(shape)
-    storage = tensor.untyped_storage()._new_shared(count * dtype.itemsize)
-    return tensor.new(storage).view(-1)[:count].view(shape).numpy() if count else np.empty(shape, dtype)
+    if not math.prod(shape):
+        return np.empty(shape, dtype)
+    target = _torch_dtypes.get(dtype)
+    if target is None:
+        import torch
+
+        target = _torch_dtypes[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return arena.tensor(shape, target).numpy()
+
+
+_torch_dtypes: dict[np.dtype, Any] = {}
+
+
+def reserve_rows(fields: Any, n: int) -> None:
+    """In a worker's batch (``read.arena``): one storage for the columns of ``n`` rows of the fixed fields."""
+    from . import arena
+
+    if arena.active():
+        fixed = [f for f in fields if not f.ragged]
+        arena.reserve(n * sum(math.prod(f.shape) * f.np_dtype.itemsize for f in fixed), len(fixed))

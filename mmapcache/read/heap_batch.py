@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from . import arena
 from .gather import alloc_shared, buffers
 from .ragged import gather_ragged
 
@@ -300,10 +301,7 @@ def filled(shape: tuple[int, ...], value: Any, dtype: torch.dtype) -> torch.Tens
         out = buffers.bytes(math.prod(shape) * np_dtype.itemsize).view(np_dtype).reshape(shape)
         out.fill(value)
         return torch.from_numpy(out)
-    count = int(np.prod(shape))
-    empty = torch.empty(0, dtype=dtype)
-    storage = empty.untyped_storage()._new_shared(max(1, count) * empty.element_size())
-    return empty.new(storage).view(-1)[:count].view(shape).fill_(value)
+    return arena.tensor(shape, dtype).fill_(value)
 
 
 def fill_padded(target: np.ndarray, located: Located) -> None:

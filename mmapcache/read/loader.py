@@ -14,7 +14,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, default_collate, default_convert
 
 from ..errors import WorkerStartError
-from . import loader_state
+from . import arena, loader_state
 from .collate import PadCollate
 from .order import BatchOrder
 from .stream_loader import StreamLoader
@@ -154,7 +154,7 @@ class CacheLoader(DataLoader):
         order.settle()  # before the workers' base seed is drawn from a generator the settled pass draws from
         if self.num_workers or self.pin_memory:
             order.draws_base_seed = False
-            return super().__iter__()
+            return map(arena.detach_small, super().__iter__()) if self.num_workers else super().__iter__()
         # No DataLoader iterator draws the workers' base seed from the generator: the order draws it first, as
         # DataLoader's iterator would just before (so both shuffle alike).
         order.draws_base_seed = True
@@ -277,7 +277,7 @@ class _Batches(_Reads):
             epoch, indices = key
         except (TypeError, ValueError):
             raise _not_a_batch_key(key) from None
-        return self.ds.read_batch(indices, epoch, self.pad, trusted=self.trusted)
+        return arena.read(self.ds.read_batch, indices, epoch, self.pad, trusted=self.trusted)
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -299,7 +299,13 @@ class _Samples(_Reads):
         except (TypeError, ValueError):
             raise _not_a_batch_key(key) from None
         if not self.batched:
-            return self.collate(self.ds[indices])
+            return arena.read(self._one, indices)
+        return arena.read(self._many, indices)
+
+    def _one(self, i: int) -> Any:
+        return self.collate(self.ds[i])
+
+    def _many(self, indices: Any) -> Any:
         return self.collate(self.ds.__getitems__(indices.tolist()))
 
     def __len__(self) -> int:

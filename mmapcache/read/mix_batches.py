@@ -25,8 +25,9 @@ from torch.utils.data import Dataset, default_collate
 
 from ..errors import LayoutError
 from ..format.layout import Layout
+from . import arena
 from .collate import PadCollate
-from .gather import alloc_shared, buffers
+from .gather import alloc_shared, buffers, reserve_rows
 from .heap_batch import same_storage
 from .ragged import RaggedColumn
 
@@ -118,6 +119,7 @@ class MixedReads(Dataset):
         self.sources, self.starts, self.main = list(sources), starts, main
         self.pad, self.collate, self.return_source = pad, collate, return_source
         fields = [layout.fields for layout in layouts]
+        self.fields = fields[main]
         self.ragged = [f.ragged for f in fields[main]]
         # Per source, per field: where its gather's fixed arrays go (the batch's slice, or a scratch array to be
         # joined as one shape of a ragged field).
@@ -128,7 +130,9 @@ class MixedReads(Dataset):
         self._pid = -1  # the process _prepare ran in
 
     def __getitem__(self, key: tuple[int, np.ndarray, tuple[int, ...]]) -> Any:
-        epoch, indices, bounds = key
+        return arena.read(self._read, *key)
+
+    def _read(self, epoch: int, indices: np.ndarray, bounds: tuple[int, ...]) -> Any:
         if self._pid != os.getpid():
             self._prepare()
         batch = self._warm_batch(epoch, indices, bounds) if self._all_warm else None
@@ -153,6 +157,7 @@ class MixedReads(Dataset):
         source meanwhile (the caller then gathers with the checks). The loop of a small-row batch: kept lean."""
         n = len(indices)
         alloc = self._alloc
+        reserve_rows(self.fields, n)
         out = [alloc((n, *shape), dtype) for shape, dtype in zip(self.shapes, self.dtypes)]
         a = bounds[0]
         for s, warm in enumerate(self._warm):
@@ -194,6 +199,7 @@ class MixedReads(Dataset):
         ragged field) through the source's checked gather."""
         n = len(indices)
         alloc = self._alloc
+        reserve_rows(self.fields, n)
         out = [None if ragged else alloc((n, *shape), dtype)
                for ragged, shape, dtype in zip(self.ragged, self.shapes, self.dtypes)]
         pieces: list[list[RaggedColumn]] = [[] for _ in self.ragged]

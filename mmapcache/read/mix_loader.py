@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..store.share import Share, job_rank_and_size, local_rank_and_size
+from . import arena
 from .epoch_split import block_spans
 from .loader import _Pass
 from .mix_order import EpochPlan, grouped, plan
@@ -261,7 +262,7 @@ class MixtureLoader(DataLoader):
 
     def _begin(self) -> Iterator[Any]:
         if self.num_workers or self.pin_memory:
-            return super().__iter__()
+            return map(arena.detach_small, super().__iter__()) if self.num_workers else super().__iter__()
         torch.empty((), dtype=torch.int64).random_()  # the draw DataLoader's iterator makes for its workers' seed
         return map(self.dataset.__getitem__, self.sampler)
 

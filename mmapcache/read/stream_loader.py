@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..errors import CacheInUseError, StreamBypassWarning, StreamPositionWarning, warn
 from ..store.ring import Ring
+from . import arena
 from .collate import PadCollate
 from .stream import StreamReads
 from .stream_place import reader_place
@@ -97,9 +98,10 @@ class StreamLoader:
                  "(loader.load_state_dict)", StreamPositionWarning)
         stop = self.per_rank - (self.per_rank - start) % self.batch_size if self.drop_last else self.per_rank
         self._plan.items = [(epoch, a, min(a + self.batch_size, stop)) for a in range(start, stop, self.batch_size)]
+        workers = self._loader.num_workers
         for (epoch, _, end), (stats, batch) in zip(self._plan.items, self._loader):
             reads.consumed(self.rank, self.ranks, epoch, end, stats)
-            yield batch
+            yield arena.detach_small(batch) if workers else batch
         if stop < self.per_rank:  # drop_last: the short tail is not read, but it is passed
             reads.consumed(self.rank, self.ranks, epoch, self.per_rank, {})
 
@@ -207,8 +209,8 @@ class _StreamReads(Dataset):
 
     def __getitem__(self, key: tuple[int, int, int]) -> tuple[dict[str, int], Any]:
         epoch, k0, k1 = key
-        return self.ds.stream_reads().read(epoch, self.rank, self.ranks, k0, k1, self.pad, self.collate,
-                                           self.ds.transform)
+        return arena.read(self.ds.stream_reads().read, epoch, self.rank, self.ranks, k0, k1, self.pad, self.collate,
+                          self.ds.transform)
 
     def __len__(self) -> int:
         return len(self.ds)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from . import arena
 from .heap_batch import Located, WarmRows, bits_of, flat_tensor, mask_of, padded_tensor, positions
 
 __all__ = ["TextCollate"]
@@ -180,14 +181,23 @@ class TextCollate:
             return self._flat(names, values, rest)
         out: dict[str, Any] = {}
         widths = {name: self._width(located.lengths) for name, (located, _) in values.items()}
+        source = self._mask_source(values)
+        builds = self._builds(names) and self.attention_mask is not None
+        if arena.active():  # (a worker's batch: its padded tensors in one shared storage)
+            rows = {name: len(located.lengths) * widths[name] for name, (located, _) in values.items()}
+            sizes = [rows[name] * dtype.itemsize for name, (_, dtype) in values.items() if name in names]
+            if builds and source is not None:
+                sizes.append(rows[source] * self.mask_dtype.itemsize)
+            if self.labels is not None:
+                sizes.append(rows[self.labels] * values[self.labels][1].itemsize)
+            arena.reserve(sum(sizes), len(sizes))
         for name in names:
             if name in values:
                 located, dtype = values[name]
                 out[name] = _padded(located, self.pad_of(name), dtype, widths[name])
             elif name in rest:
                 out[name] = rest[name]
-        source = self._mask_source(values)
-        if self._builds(names) and source is not None and self.attention_mask is not None:
+        if builds and source is not None and self.attention_mask is not None:
             out[self.attention_mask] = mask_of(values[source][0].lengths, widths[source], self.mask_dtype)
         if self.labels is not None:
             located, dtype = values[self.labels]
@@ -203,6 +213,12 @@ class TextCollate:
         out: dict[str, Any] = {}
         source = self._mask_source(values)
         lengths = values[source][0].lengths if source is not None else np.zeros(0, np.int64)
+        made = self.labels if self.labels is not None else _LABELS if _LABELS in values else None
+        if arena.active():  # (a worker's batch: its tensors in one shared storage)
+            sizes = [dtype.itemsize for name, (_, dtype) in values.items() if name in names] + [8]  # (positions)
+            if made is not None:
+                sizes.append(values[made][1].itemsize)
+            arena.reserve(int(lengths.sum()) * sum(sizes), len(sizes))
         for name in names:
             if name in values:
                 located, dtype = values[name]
@@ -219,9 +235,8 @@ class TextCollate:
         if len(lengths) and not lengths.all():  # (as Hugging Face's: an empty sample is no sequence of the row)
             cu = np.concatenate([cu[:1], cu[1:][lengths > 0]])
         out["position_ids"] = positions(lengths)[None]
-        made = self.labels if self.labels is not None else _LABELS if _LABELS in values else None
         if made is not None:  # no sample's first token predicts across the one before it
-            labels = out[made].clone()
+            labels = arena.like(out[made]).copy_(out[made])
             labels[0, torch.from_numpy(cu[:-1].astype(np.int64))] = self.ignore_index
             out[_LABELS] = labels
         longest = int(lengths.max()) if len(lengths) else 0

@@ -1,0 +1,113 @@
+"""A DataLoader worker's batch crosses to the main process as one shared-memory storage (``read.arena``).
+
+Each storage a worker sends costs a file descriptor passed over a socket; shared memory is reserved whole when it
+is made, so the one storage must be as large as the batch, not larger. Small tensors (labels, lengths) are copied
+out on arrival, so that one kept after its batch does not keep the batch's memory. Every batch must equal the one
+the same loader makes without workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from helpers.sources import ImageLabels
+from helpers.text_sources import Tokenized
+from mmapcache import Mixture, MmapCachedDataset, PadCollate, TextCollate
+
+_SMALL = 64 << 10  # (read.arena's: smaller tensors are copied out on arrival)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return [t for item in batch for t in _tensors(item)]
+    return []
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def _stacked(samples: list[Any]) -> Any:
+    return default_collate(samples)
+
+
+def _check(with_workers: Any, without: Any) -> int:
+    """Compares every batch; returns how many crossed as one storage."""
+    one = 0
+    batches = 0
+    without.sampler.set_epoch(0)
+    expected_batches = list(without)
+    with_workers.sampler.set_epoch(0)
+    for batch, expected in zip(with_workers, expected_batches, strict=True):
+        batches += 1
+        assert _equal(batch, expected)
+        tensors = _tensors(batch)
+        big = [t for t in tensors if t.nbytes > _SMALL]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in big}
+        for t in tensors:
+            if t.nbytes <= _SMALL:  # copied out: holding it holds none of the big tensors' memory
+                assert t.untyped_storage().data_ptr() not in storages, t.shape
+        if len(storages) <= 1:  # (a batch of small tensors only: each copied out)
+            one += 1
+            # made to the batch's size (shared memory is reserved whole): its tensors and the small ones' room
+            size = sum(storages.values())
+            assert size <= sum(-(-t.nbytes // 64) * 64 for t in big) + _SMALL, (size, [t.shape for t in big])
+    assert batches
+    return batches if one == batches else one
+
+
+@pytest.mark.parametrize("form", ["padded", "flat", "pad_collate", "images", "samples"])
+def test_a_workers_batch_crosses_as_one_storage_and_equals_the_batch_read_here(cache_path: str, form: str) -> None:
+    if form in ("images", "samples"):
+        ds = MmapCachedDataset(cache_path, ImageLabels(48, shape=(3, 64, 64)))  # 12 KB a sample
+        kwargs: dict[str, Any] = {"collate_fn": _stacked} if form == "samples" else {}
+        batch = 12
+    else:
+        ds = MmapCachedDataset(cache_path, Tokenized(48, longest=4000))
+        collate = {"padded": TextCollate(0, labels="input_ids"), "flat": TextCollate(0, flatten=True,
+                   labels="input_ids"), "pad_collate": PadCollate(0, mask=True)}[form]
+        kwargs = {"collate_fn": collate}
+        batch = 8
+    ds.fill()
+    loaders = [ds.loader(batch_size=batch, shuffle=True, seed=3, num_workers=w, **kwargs) for w in (2, 0)]
+    whole = _check(*loaders)
+    assert whole == len(loaders[0]), f"{whole} of {len(loaders[0])} batches crossed as one storage"
+    if form == "flat":  # one tensor in two places (as Hugging Face's collator gives it) stays one
+        batch = next(iter(loaders[0]))
+        assert batch["cu_seq_lens_q"] is batch["cu_seq_lens_k"]
+    ds.close()
+
+
+def test_a_mixtures_worker_batch_crosses_as_one_storage(cache_path: str) -> None:
+    sources = [MmapCachedDataset(f"{cache_path}-{k}", Tokenized(24, longest=4000, seed=k)) for k in range(2)]
+    for ds in sources:
+        ds.fill()
+    mix = Mixture(sources, seed=1)
+    loaders = [mix.loader(batch_size=8, collate_fn=TextCollate(0), num_workers=w) for w in (2, 0)]
+    assert _check(*loaders) == len(loaders[0])
+    for ds in sources:
+        ds.close()
+
+
+def test_a_label_kept_after_its_batch_holds_only_itself(cache_path: str) -> None:
+    """Labels gathered over an epoch (for metrics) must not keep every batch's images alive."""
+    ds = MmapCachedDataset(cache_path, ImageLabels(32, shape=(3, 64, 64)))
+    ds.fill()
+    kept = [labels for _, labels in ds.loader(batch_size=8, num_workers=2)]
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in kept)
+    assert torch.equal(torch.cat(kept), torch.tensor([i * 7 % 10 for i in range(32)]))
+    ds.close()
