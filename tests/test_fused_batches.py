@@ -179,3 +179,46 @@ def test_an_index_row_that_describes_no_value_is_reported_not_read(cache_path: s
             CacheFormatError, match=r"row 4, field 'input_ids': the stored value cannot be read.*the cache is damaged"):
         for _ in ds.loader(batch_size=8, collate_fn=collate):
             pass
+
+
+class FixedLength(torch.utils.data.Dataset):
+    """Token ids a tokenizer padded to one length (``padding="max_length"``), beside ragged ones: the cache stores
+    ``input_ids`` as a fixed field."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": torch.arange(6) + 10 * i, "extra": torch.arange(1 + i % 5),
+                "image": torch.full((2, 3), i, dtype=torch.uint8), "label": i}
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_a_fixed_field_named_in_fields_is_padded_as_over_samples(cache_path: str, mask: bool) -> None:
+    """``PadCollate(fields=[...])`` pads every named field over samples, values of one shape too; over a cache a
+    named field stored fixed must come back the same way (a ``Padded``, every length full), not as a plain tensor:
+    the fused path, the checked one and the loader's, and a mixture's."""
+    collate = PadCollate(3, mask=mask, fields=["input_ids", "extra", "image"])
+    source = FixedLength()
+    with MmapCachedDataset(cache_path, source) as ds:
+        ragged = {f.name: f.ragged for f in ds._store.layout.fields}
+        assert not ragged["input_ids"] and not ragged["image"] and ragged["extra"]
+        ds.fill()
+        for indices in (list(range(8)), [47, 3, 3, 20, 0], [5]):
+            want = collate([source[i] for i in indices])
+            assert isinstance(want["input_ids"], tuple) and isinstance(want["image"], tuple)
+            assert _same(ds.read_batch(indices, 0, collate), want), indices
+            assert _same(ds.collate_columns(ds.gather_columns(np.array(indices), 0), collate), want), indices
+        for workers in (0, 2):
+            loader = ds.loader(batch_size=8, collate_fn=collate, num_workers=workers)
+            for k, batch in enumerate(loader):
+                assert _same(batch, collate([source[i] for i in range(8 * k, 8 * k + 8)])), (workers, k)
+        refused = PadCollate(-1, fields=["image"])  # (uint8 values: refused over samples, so over the cache)
+        for read in (lambda: refused([source[0]]), lambda: ds.read_batch([0], 0, refused)):
+            with pytest.raises(ValueError, match="does not fit the values' dtype uint8"):
+                read()
+        mix = Mixture([ds], seed=0)
+        for batch in mix.loader(batch_size=8, collate_fn=collate):
+            ids = batch["input_ids"]
+            assert isinstance(ids, tuple) and torch.equal(ids.lengths, torch.full((len(ids.data),), 6))
+            assert (ids.mask is not None) == mask and (not mask or bool(ids.mask.all()))

@@ -42,8 +42,9 @@ class PadCollate:
     Args:
         pad_value: the value written past each value's end.
         mask: also return a boolean mask of the real elements.
-        fields: the field paths to pad (``"input_ids"``, ``"0"``, ``"meta.tokens"``, as ``mmapcache`` names fields).
-            Default: over an ``MmapCachedDataset`` (``ds.loader``), its ragged array fields; over anything else,
+        fields: the field paths to pad (``"input_ids"``, ``"0"``, ``"meta.tokens"``, as ``mmapcache`` names fields),
+            each a ``Padded`` in every batch, also where its values share one shape (a field a cache stores fixed:
+            every length full, the mask all True). Default: over an ``MmapCachedDataset`` (``ds.loader``), its ragged array fields; over anything else,
             every tensor, array or list of numbers whose shapes differ within the batch (so a batch whose values
             happen to share one shape is stacked: pass ``fields`` for the same type in every batch).
     """
@@ -157,12 +158,28 @@ class PadCollate:
             if field.kind == JSON:
                 leaves.append(None)  # a tensor subclass's attributes: default_collate's stack drops them too
                 continue
-            leaf = self._padded(field, located[k]) if k in located else warm.other(k)
+            leaf = self._padded(field, located[k]) if k in located else self.named(field, warm.other(k))
             if leaf is None:
                 return None
             leaves.append(leaf)
         batch = warm.reader.build_batch(leaves)
         return batch if warm.unchanged() else None
+
+    def named(self, field: Any, batch: Any) -> Any:
+        """A fixed field's batch; a ``Padded`` one if ``fields`` names the field (values of one shape, each length
+        full, the mask all True), as over samples, where every named field is padded."""
+        if (self.fields is None or field.name not in self.fields or field.kind in TEXT_KINDS
+                or type(batch) is not torch.Tensor or batch.dim() < 2):
+            return batch
+        try:
+            values: np.dtype | None = batch.numpy().dtype
+        except TypeError:  # (a dtype numpy lacks, bfloat16: any number's bits pad it, as in ``pad``)
+            values = None
+        if values is not None:  # (as ``pad`` refuses a pad value the values' dtype cannot hold)
+            _check_pad_value(self.pad_value, values)
+        full = torch.tensor(batch.shape[1:], dtype=torch.int64)  # (as ``pad``: a length per value, or a shape)
+        lengths = full.repeat(len(batch)) if batch.dim() == 2 else full.repeat(len(batch), 1)
+        return Padded(batch, lengths, torch.ones(batch.shape, dtype=torch.bool) if self.mask else None)
 
     def _target(self, field: Any) -> torch.dtype:
         """The dtype a field's padded batch is served in."""

@@ -328,7 +328,7 @@ class RowReader:
         leaves = []
         for field, convert, split, column in zip(self.fields, self._batch_converters, self._splitters, columns):
             if not field.ragged:
-                leaves.append(convert(column))
+                leaves.append(convert(column) if pad is None else pad.named(field, convert(column)))
             elif field.kind == JSON:
                 leaves.append(None)  # a tensor subclass's attributes: default_collate's stack drops them too
             elif pad is not None and field.kind not in TEXT_KINDS and (
