@@ -167,5 +167,8 @@ def _mapped(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if kind is tuple:
         return tuple(_mapped(x, fn) for x in obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return kind(*[_mapped(x, fn) for x in obj])
+        try:
+            return kind(*[_mapped(x, fn) for x in obj])
+        except TypeError:  # (a tuple type made otherwise, torch.return_types': left as it is, still right)
+            return obj
     return obj

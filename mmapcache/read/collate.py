@@ -44,9 +44,10 @@ class PadCollate:
         mask: also return a boolean mask of the real elements.
         fields: the field paths to pad (``"input_ids"``, ``"0"``, ``"meta.tokens"``, as ``mmapcache`` names fields),
             each a ``Padded`` in every batch, also where its values share one shape (a field a cache stores fixed:
-            every length full, the mask all True). Default: over an ``MmapCachedDataset`` (``ds.loader``), its ragged array fields; over anything else,
-            every tensor, array or list of numbers whose shapes differ within the batch (so a batch whose values
-            happen to share one shape is stacked: pass ``fields`` for the same type in every batch).
+            every length full, the mask all True). Default: over an ``MmapCachedDataset`` (``ds.loader``), its
+            ragged array fields; over anything else, every tensor, array or list of numbers whose shapes differ
+            within the batch (so a batch whose values happen to share one shape is stacked: pass ``fields`` for the
+            same type in every batch).
     """
 
     def __init__(self, pad_value: int | float | bool = 0, *, mask: bool = False,
