@@ -28,7 +28,7 @@ from .fill.options import (
     source_length,
 )
 from .fill.stream import StreamControls
-from .read.gather import alloc_shared, reserve_rows
+from .read.gather import column_alloc
 from .read.loader import make_loader
 from .read.reader import RowReader
 from .read.sampler import ShareSampler
@@ -283,9 +283,7 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
             return [self[int(i)] for i in idx]
         # In a DataLoader worker the batch arrays are shared memory: default_collate hands them on as they are (see
         # mmapcache.collate), and they cross to the main process without a copy.
-        alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
-        reserve_rows(reader.fields, len(idx))
-        samples = reader.samples(self.gather_columns(idx, self._epoch_view[0], alloc))
+        samples = reader.samples(self.gather_columns(idx, self._epoch_view[0], column_alloc(reader.fields, len(idx))))
         if self.transform is not None:
             samples = [self.transform(s) for s in samples]
         return samples
@@ -383,9 +381,7 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
             batch = pad.read_parts([(reader, rows)]) if self._rows.total or int(rows.min(initial=0)) >= 0 else None
             if batch is not None:
                 return batch
-        alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
-        reserve_rows(reader.fields, len(idx))
-        return reader.collate(self.gather_columns(idx, epoch, alloc), pad)
+        return reader.collate(self.gather_columns(idx, epoch, column_alloc(reader.fields, len(idx))), pad)
 
     def collate_columns(self, columns: list[Any], pad: Any = None) -> Any:
         """``gather_columns``' columns as ``read_batch`` returns them (see ``RowReader.collate``)."""

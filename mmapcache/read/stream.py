@@ -24,7 +24,7 @@ from ..errors import (
     warn,
 )
 from ..store.ring import Ring, producers_of
-from .gather import alloc_shared, reserve_rows
+from .gather import column_alloc
 
 __all__ = ["StreamReads", "read_positions", "warn_bypass"]
 
@@ -88,8 +88,7 @@ class StreamReads:
         served, computed and the time waited."""
         reader = self.reader
         positions = rank + np.arange(k0, k1, dtype=np.int64) * ranks
-        alloc = alloc_shared if torch.utils.data.get_worker_info() is not None else np.empty
-        reserve_rows(reader.fields, len(positions))
+        alloc = column_alloc(reader.fields, len(positions))
         columns, stats = read_positions(self.ring, reader, epoch, positions, self._compute, wait=self.wait,
                                         timeout=self.timeout, alloc=alloc, rank=rank,
                                         patience=max(_PATIENCE, 3 * self.seconds_each))
