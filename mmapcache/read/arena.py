@@ -18,6 +18,10 @@ Shared memory is not free room: torch reserves every page of a new storage when 
   elsewhere: lengths, ``cu_seqlens``) is copied into the room the reservation kept for them (the last batch's
   small bytes), or else, all together, into one more storage.
 
+A worker started by a loader that lends its storages back (``read.lending``: ``ds.loader``, mixtures, streams)
+carves its arenas from a pool of storages it reuses once the main process drops them, so their pages are reserved
+once, not for every batch; ``from_workers`` is that loader's side.
+
 On the main side, ``detach_small(batch)`` copies out each small view of a larger storage (labels, lengths): one
 kept after its batch is dropped (labels gathered for an epoch's metrics) then holds a few bytes, not the batch.
 """
@@ -25,10 +29,13 @@ kept after its batch is dropped (labels gathered for an epoch's metrics) then ho
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from . import lending
+from .lending import Lending, Lent, Tag
 
 _ALIGN = 64  # every tensor starts on a cache line (and on a multiple of any element size)
 _SMALL = 64 << 10  # at most this many bytes: made privately, then copied in (worker); copied out (main process)
@@ -48,10 +55,21 @@ class _Arena(threading.local):
         self.storage: torch.UntypedStorage | None = None
         self.used = self.reserved = 0  # bytes carved; the end of the last reservation
         self.slack = _ALIGN
+        self.lending: Lending | None = None  # the worker's pool of storages, if its loader lends them
+        self.tags: list[Tag] = []  # the pool's storages this batch was carved from
+
+    def new(self, nbytes: int) -> torch.UntypedStorage:
+        """A storage for this batch: a free one of the worker's pool, if it has one, else a new one."""
+        if self.lending is None:
+            return torch.UntypedStorage._new_shared(nbytes)
+        storage, tag = self.lending.storage(nbytes)
+        if tag is not None:
+            self.tags.append(tag)
+        return storage
 
     def reserve(self, nbytes: int) -> None:
         if self.storage is None or self.used + nbytes > self.storage.nbytes():
-            self.storage, self.used = torch.UntypedStorage._new_shared(nbytes + self.slack), 0
+            self.storage, self.used = self.new(nbytes + self.slack), 0
         self.reserved = self.used + nbytes
 
     def take(self, nbytes: int) -> tuple[torch.UntypedStorage, int] | None:
@@ -60,7 +78,7 @@ class _Arena(threading.local):
         if self.storage is not None and self.used + size <= self.storage.nbytes():
             at, self.used = self.used, self.used + size
             return self.storage, at
-        return None if nbytes <= _SMALL else (torch.UntypedStorage._new_shared(size), 0)
+        return None if nbytes <= _SMALL else (self.new(size), 0)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         return self.storage is not None and tensor.untyped_storage().data_ptr() == self.storage.data_ptr()
@@ -104,20 +122,31 @@ def like(t: torch.Tensor) -> torch.Tensor:
     return tensor(tuple(t.shape), t.dtype) if _arena.depth else torch.empty_like(t)
 
 
-def read(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def read(pool: Lending | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``: one batch, read in a DataLoader worker with the arena open and packed after (see
-    the module's docstring); elsewhere as it is."""
+    the module's docstring); elsewhere as it is. With a ``pool`` (``read.lending``: the loader that started the
+    worker lends its storages back), the arena is carved from the worker's pool and the batch returned as a
+    ``Lent``, which the loader's ``lending.received`` unwraps."""
     if torch.utils.data.get_worker_info() is None:
         return fn(*args, **kwargs)
     outer = _arena.depth == 0
+    if outer:
+        _arena.lending, _arena.tags = pool, []
     _arena.depth += 1
     try:
         batch = fn(*args, **kwargs)
-        return _packed(batch) if outer else batch
+        if not outer:
+            return batch
+        batch = _packed(batch)
+        return Lent(batch, _arena.tags) if _arena.tags else batch
+    except BaseException:
+        if outer and pool is not None:
+            pool.release(_arena.tags)  # (never sent: free again)
+        raise
     finally:
         _arena.depth -= 1
-        if outer:
-            _arena.storage, _arena.used, _arena.reserved = None, 0, 0  # (the batch's tensors hold the storage)
+        if outer:  # (the batch's tensors hold the storage)
+            _arena.storage, _arena.used, _arena.reserved, _arena.lending, _arena.tags = None, 0, 0, None, []
 
 
 def _packed(batch: Any) -> Any:
@@ -135,9 +164,26 @@ def _packed(batch: Any) -> Any:
     total = sum(_aligned(t.nbytes) for t in loose.values())
     _arena.slack = total + max(0, _arena.used - _arena.reserved)  # the next batch's room for what no one reserved
     if _arena.storage is None or _arena.used + total > _arena.storage.nbytes():
-        _arena.storage, _arena.used = torch.UntypedStorage._new_shared(total), 0
+        _arena.storage, _arena.used = _arena.new(total), 0
     copies = {key: tensor(tuple(t.shape), t.dtype).copy_(t) for key, t in loose.items()}
     return _mapped(batch, lambda t: copies.get(id(t), t))
+
+
+def from_workers(loader: Any, start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """The batches ``start()`` (``loader``'s DataLoader iterator: it has workers) yields, as the main process hands
+    them on: each worker's storages lent back (``read.lending``), small views copied out (``detach_small``)."""
+    if loader.persistent_workers and getattr(loader, "_iterator", None) is not None:
+        batches = start()  # (its workers, started before, keep their pools)
+    else:
+        with lending.starting(loader.dataset, loader.num_workers) as lent:
+            batches = start()
+        batches._mmapcache_lending = lent  # type: ignore[attr-defined]  # (while its workers send batches)
+    return map(received, batches)
+
+
+def received(batch: Any) -> Any:
+    """A batch from a worker, in the main process: unwrapped (``lending.received``), small views copied out."""
+    return detach_small(lending.received(batch))
 
 
 def detach_small(batch: Any) -> Any:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate, default_conve
 from ..errors import WorkerStartError
 from . import arena, loader_state
 from .collate import PadCollate
+from .lending import Lending
 from .order import BatchOrder
 from .stream_loader import StreamLoader
 from .text_collate import TextCollate
@@ -154,7 +155,7 @@ class CacheLoader(DataLoader):
         order.settle()  # before the workers' base seed is drawn from a generator the settled pass draws from
         if self.num_workers or self.pin_memory:
             order.draws_base_seed = False
-            return map(arena.detach_small, super().__iter__()) if self.num_workers else super().__iter__()
+            return arena.from_workers(self, super().__iter__) if self.num_workers else super().__iter__()
         # No DataLoader iterator draws the workers' base seed from the generator: the order draws it first, as
         # DataLoader's iterator would just before (so both shuffle alike).
         order.draws_base_seed = True
@@ -259,6 +260,7 @@ class _Reads(Dataset):
     it stays in this process: workers are sent only what they read with."""
 
     order: BatchOrder | None = None
+    lending: Lending | None = None  # while its loader starts workers (``read.lending``)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "order": None}
@@ -277,7 +279,7 @@ class _Batches(_Reads):
             epoch, indices = key
         except (TypeError, ValueError):
             raise _not_a_batch_key(key) from None
-        return arena.read(self.ds.read_batch, indices, epoch, self.pad, trusted=self.trusted)
+        return arena.read(self.lending, self.ds.read_batch, indices, epoch, self.pad, trusted=self.trusted)
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -299,8 +301,8 @@ class _Samples(_Reads):
         except (TypeError, ValueError):
             raise _not_a_batch_key(key) from None
         if not self.batched:
-            return arena.read(self._one, indices)
-        return arena.read(self._many, indices)
+            return arena.read(self.lending, self._one, indices)
+        return arena.read(self.lending, self._many, indices)
 
     def _one(self, i: int) -> Any:
         return self.collate(self.ds[i])

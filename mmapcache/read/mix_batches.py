@@ -29,6 +29,7 @@ from . import arena
 from .collate import PadCollate
 from .gather import alloc_shared, buffers, reserve_rows
 from .heap_batch import same_storage
+from .lending import Lending
 from .ragged import RaggedColumn
 
 __all__ = ["MixedReads", "merged_layout"]
@@ -114,6 +115,8 @@ class MixedReads(Dataset):
         return_source: yield ``(batch, sources)``, ``sources`` an int64 tensor of each sample's source.
     """
 
+    lending: Lending | None = None  # while its loader starts workers (``read.lending``)
+
     def __init__(self, sources: Sequence[_Source], starts: np.ndarray, layouts: Sequence[Layout], main: int,
                  pad: PadCollate | None, collate: Any, return_source: bool) -> None:
         self.sources, self.starts, self.main = list(sources), starts, main
@@ -130,7 +133,7 @@ class MixedReads(Dataset):
         self._pid = -1  # the process _prepare ran in
 
     def __getitem__(self, key: tuple[int, np.ndarray, tuple[int, ...]]) -> Any:
-        return arena.read(self._read, *key)
+        return arena.read(self.lending, self._read, *key)
 
     def _read(self, epoch: int, indices: np.ndarray, bounds: tuple[int, ...]) -> Any:
         if self._pid != os.getpid():

@@ -262,7 +262,7 @@ class MixtureLoader(DataLoader):
 
     def _begin(self) -> Iterator[Any]:
         if self.num_workers or self.pin_memory:
-            return map(arena.detach_small, super().__iter__()) if self.num_workers else super().__iter__()
+            return arena.from_workers(self, super().__iter__) if self.num_workers else super().__iter__()
         torch.empty((), dtype=torch.int64).random_()  # the draw DataLoader's iterator makes for its workers' seed
         return map(self.dataset.__getitem__, self.sampler)
 

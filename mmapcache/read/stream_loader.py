@@ -16,6 +16,7 @@ from ..errors import CacheInUseError, StreamBypassWarning, StreamPositionWarning
 from ..store.ring import Ring
 from . import arena
 from .collate import PadCollate
+from .lending import Lending
 from .stream import StreamReads
 from .stream_place import reader_place
 
@@ -98,10 +99,11 @@ class StreamLoader:
                  "(loader.load_state_dict)", StreamPositionWarning)
         stop = self.per_rank - (self.per_rank - start) % self.batch_size if self.drop_last else self.per_rank
         self._plan.items = [(epoch, a, min(a + self.batch_size, stop)) for a in range(start, stop, self.batch_size)]
-        workers = self._loader.num_workers
-        for (epoch, _, end), (stats, batch) in zip(self._plan.items, self._loader):
+        loader = self._loader
+        for (epoch, _, end), (stats, batch) in zip(
+                self._plan.items, arena.from_workers(loader, loader.__iter__) if loader.num_workers else loader):
             reads.consumed(self.rank, self.ranks, epoch, end, stats)
-            yield arena.detach_small(batch) if workers else batch
+            yield batch
         if stop < self.per_rank:  # drop_last: the short tail is not read, but it is passed
             reads.consumed(self.rank, self.ranks, epoch, self.per_rank, {})
 
@@ -204,13 +206,15 @@ class _Plan(Sampler):
 class _StreamReads(Dataset):
     """Maps ``(epoch, k0, k1)`` to ``(stats, batch)``: this rank's positions ``k0 .. k1-1``."""
 
+    lending: Lending | None = None  # while its loader starts workers (``read.lending``)
+
     def __init__(self, ds: _StreamDataset, rank: int, ranks: int, pad: PadCollate | None, collate: Any) -> None:
         self.ds, self.rank, self.ranks, self.pad, self.collate = ds, rank, ranks, pad, collate
 
     def __getitem__(self, key: tuple[int, int, int]) -> tuple[dict[str, int], Any]:
         epoch, k0, k1 = key
-        return arena.read(self.ds.stream_reads().read, epoch, self.rank, self.ranks, k0, k1, self.pad, self.collate,
-                          self.ds.transform)
+        return arena.read(self.lending, self.ds.stream_reads().read, epoch, self.rank, self.ranks, k0, k1, self.pad,
+                          self.collate, self.ds.transform)
 
     def __len__(self) -> int:
         return len(self.ds)

@@ -1,0 +1,212 @@
+"""A worker's batch storages come back to it once the main process drops them, and never before (``read.lending``).
+
+A new shared-memory storage is reserved and zeroed page by page when it is made; a worker that reuses a few saves
+that for every batch. Reusing one that the caller still holds would overwrite a batch it is reading: the worst
+defect this cache can have, silent. So each test compares what the caller kept with a copy taken on arrival, after
+the workers have gone on filling storages, and counts the storages (by their shared-memory inode) to see that they
+were reused at all.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from helpers.sources import ImageLabels
+from helpers.text_sources import Tokenized
+from mmapcache import Mixture, MmapCachedDataset, PadCollate, TextCollate
+from mmapcache.read import lending
+
+_SLOTS = 6  # (read.lending's: storages per worker)
+
+
+def _inode(t: torch.Tensor) -> int:
+    """The shared-memory file under ``t`` (the same for a storage mapped again, unlike its address)."""
+    return os.fstat(t.untyped_storage()._share_fd_cpu_()[0]).st_ino
+
+
+def _biggest(batch: Any) -> torch.Tensor:
+    def tensors(obj: Any) -> list[torch.Tensor]:
+        if isinstance(obj, torch.Tensor):
+            return [obj]
+        items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+        return [t for item in items for t in tensors(item)]
+    return max(tensors(batch), key=lambda t: t.nbytes)
+
+
+def _cloned(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, dict):
+        return {k: _cloned(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_cloned(v) for v in batch)
+    return batch
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def _loaders(cache_path: str, form: str, **kwargs: Any) -> tuple[Any, Any, list[MmapCachedDataset]]:
+    """A loader with two workers and the same one without, over 240 samples in batches of 8 (30 a pass)."""
+    if form == "mixture":
+        sources = [MmapCachedDataset(f"{cache_path}-{k}", Tokenized(120, longest=3000, seed=k)) for k in range(2)]
+        for ds in sources:
+            ds.fill()
+        mix = Mixture(sources, seed=1)
+        made = [mix.loader(batch_size=8, collate_fn=TextCollate(0), num_workers=w, **(kwargs if w else {}))
+                for w in (2, 0)]
+        return made[0], made[1], sources
+    if form == "images":
+        ds = MmapCachedDataset(cache_path, ImageLabels(240, shape=(3, 64, 64)))  # 98 KB a batch
+        collate: dict[str, Any] = {}
+    else:
+        ds = MmapCachedDataset(cache_path, Tokenized(240, longest=3000))
+        collate = {"collate_fn": TextCollate(0, labels="input_ids") if form == "padded" else PadCollate(0, mask=True)}
+    ds.fill()
+    made = [ds.loader(batch_size=8, shuffle=True, seed=3, num_workers=w, **collate, **(kwargs if w else {}))
+            for w in (2, 0)]
+    return made[0], made[1], [ds]
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    if hasattr(loader.sampler, "set_epoch"):
+        loader.sampler.set_epoch(epoch)
+    else:  # (a mixture's)
+        loader.sampler.mixture.set_epoch(epoch)
+
+
+@pytest.mark.parametrize("form", ["padded", "pad_collate", "images", "mixture"])
+def test_a_workers_storages_are_reused_once_the_caller_drops_its_batches(cache_path: str, form: str) -> None:
+    workers, plain, sources = _loaders(cache_path, form)
+    for epoch in range(2):  # (new workers each pass: new pools)
+        _set_epoch(plain, epoch)
+        expected = list(plain)
+        _set_epoch(workers, epoch)
+        inodes = set()
+        for batch, want in zip(workers, expected, strict=True):
+            assert _equal(batch, want)
+            inodes.add(_inode(_biggest(batch)))
+        assert len(expected) == 30
+        assert len(inodes) <= 2 * _SLOTS, f"{len(inodes)} storages for {len(expected)} batches: none reused"
+    for ds in sources:
+        ds.close()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_batch_the_caller_keeps_is_never_written_over(cache_path: str, context: str) -> None:
+    """Whole batches, a row (a view), a numpy array of a field (its tensor dropped) are kept over three passes
+    of persistent workers, which meanwhile reuse every storage the caller let go."""
+    workers, plain, sources = _loaders(cache_path, "padded", persistent_workers=True,
+                                       multiprocessing_context=context)
+    kept: list[tuple[Any, Any]] = []
+    inodes, batches = set(), 0
+    for epoch in range(3):
+        _set_epoch(plain, epoch)
+        expected = list(plain)
+        _set_epoch(workers, epoch)
+        for k, (batch, want) in enumerate(zip(workers, expected, strict=True)):
+            assert _equal(batch, want)
+            batches += 1
+            inodes.add(_inode(batch["input_ids"]))
+            if k in (5, 20):  # two a pass (their storages stay lent: the workers go on with the rest)
+                kind = len(kept) % 3
+                if kind == 0:
+                    kept.append((batch, _cloned(batch)))
+                elif kind == 1:
+                    kept.append((batch["input_ids"][1], batch["input_ids"][1].clone()))
+                else:
+                    kept.append((batch["attention_mask"].numpy(), batch["attention_mask"].clone().numpy()))
+            del batch
+            gc.collect()
+    assert len(inodes) < batches / 2, f"{len(inodes)} storages for {batches} batches: the pool was not reused"
+    for held, copy in kept:
+        assert _equal(*(torch.from_numpy(x) if hasattr(x, "__array_interface__") else x for x in (held, copy)))
+    for ds in sources:
+        ds.close()
+
+
+def test_an_abandoned_passs_prefetched_batches_come_back(cache_path: str) -> None:
+    """A pass left after two batches: the batches its workers had prefetched are discarded unread, and their
+    storages must still come back (each worker would otherwise lose the room for them, pass after pass)."""
+    workers, plain, sources = _loaders(cache_path, "padded", persistent_workers=True)
+    for epoch in range(3):
+        _set_epoch(workers, epoch)
+        for k, _batch in enumerate(workers):
+            if k == 1:
+                break
+    del _batch  # (the one the loop held on)
+    _set_epoch(plain, 3)
+    expected = list(plain)
+    _set_epoch(workers, 3)
+    for batch, want in zip(workers, expected, strict=True):
+        assert _equal(batch, want)
+    del batch
+    gc.collect()
+    lending.received(None)  # (sweeps)
+    flags = workers._iterator._mmapcache_lending.flags
+    assert int(flags.count_nonzero()) == 0, flags
+    for ds in sources:
+        ds.close()
+
+
+def test_a_batch_sent_on_to_another_process_is_never_written_over(cache_path: str) -> None:
+    """A tensor of a batch put on a multiprocessing queue is mapped by whoever takes it, which this process cannot
+    see: its storage is never lent again, though this process drops it."""
+    workers, _, sources = _loaders(cache_path, "padded", persistent_workers=True)
+    queue: Any = torch.multiprocessing.Queue()
+    sent = []
+    for epoch in range(3):
+        _set_epoch(workers, epoch)
+        for k, batch in enumerate(workers):
+            if k == 3:
+                queue.put(batch["input_ids"])
+                sent.append(batch["input_ids"].clone())
+            del batch
+            gc.collect()
+    for copy in sent:  # (taken here, after the workers went on: mapped again from the shared memory)
+        assert torch.equal(queue.get(timeout=60), copy)
+    for ds in sources:
+        ds.close()
+
+
+def test_a_read_that_fails_in_a_worker_frees_its_storage(cache_path: str) -> None:
+    """A batch whose read raises is never sent: its storage is free again for the next one."""
+    ds = MmapCachedDataset(cache_path, Tokenized(64, longest=3000))
+    ds.fill()
+    loader = ds.loader(batch_size=8, num_workers=1, collate_fn=_FailsOnce(TextCollate(0)), persistent_workers=True)
+    with pytest.raises(RuntimeError, match="the third batch"):
+        list(loader)
+    assert len(list(loader)) == 8
+    gc.collect()
+    lending.received(None)
+    assert int(loader._iterator._mmapcache_lending.flags.count_nonzero()) == 0
+    ds.close()
+
+
+class _FailsOnce:
+    """A collate that raises on its third batch, once (persistent workers keep the count), after reading it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+    def __call__(self, samples: Any) -> Any:
+        self.calls += 1
+        batch = self.inner(samples)  # (its storage taken)
+        if self.calls == 3:
+            raise RuntimeError("the third batch")
+        return batch
