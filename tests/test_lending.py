@@ -10,11 +10,15 @@ were reused at all.
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 from helpers.sources import ImageLabels
 from helpers.text_sources import Tokenized
@@ -78,6 +82,14 @@ def _loaders(cache_path: str, form: str, **kwargs: Any) -> tuple[Any, Any, list[
     made = [ds.loader(batch_size=8, shuffle=True, seed=3, num_workers=w, **collate, **(kwargs if w else {}))
             for w in (2, 0)]
     return made[0], made[1], [ds]
+
+
+def _all_free(loader: Any) -> None:
+    """Every storage of the loader's (persistent) workers is free, the caller holding no batch."""
+    gc.collect()
+    lending.received(None)  # (sweeps)
+    flags = loader._iterator._mmapcache_lending.flags
+    assert int(flags.count_nonzero()) == 0, flags
 
 
 def _set_epoch(loader: Any, epoch: int) -> None:
@@ -153,10 +165,7 @@ def test_an_abandoned_passs_prefetched_batches_come_back(cache_path: str) -> Non
     for batch, want in zip(workers, expected, strict=True):
         assert _equal(batch, want)
     del batch
-    gc.collect()
-    lending.received(None)  # (sweeps)
-    flags = workers._iterator._mmapcache_lending.flags
-    assert int(flags.count_nonzero()) == 0, flags
+    _all_free(workers)
     for ds in sources:
         ds.close()
 
@@ -177,8 +186,65 @@ def test_a_batch_sent_on_to_another_process_is_never_written_over(cache_path: st
             gc.collect()
     for copy in sent:  # (taken here, after the workers went on: mapped again from the shared memory)
         assert torch.equal(queue.get(timeout=60), copy)
+    _all_free(workers)  # (each worker let go of the storages sent on, and made others)
     for ds in sources:
         ds.close()
+
+
+def _compare_when_told(tensor: torch.Tensor, copy: torch.Tensor, go: Any, result: Any) -> None:
+    go.wait(120)
+    result.value = int(torch.equal(tensor, copy))
+
+
+def test_a_batch_a_forked_process_holds_is_never_written_over(cache_path: str) -> None:
+    """A process forked while this one holds a batch maps its storage too (its arguments are not pickled): the
+    storage stays that batch's after this process drops it."""
+    workers, _, sources = _loaders(cache_path, "padded", persistent_workers=True)
+    context = multiprocessing.get_context("fork")
+    go, result = context.Event(), context.Value("i", -1)
+    child = None
+    for epoch in range(3):
+        _set_epoch(workers, epoch)
+        for k, batch in enumerate(workers):
+            if child is None and k == 3:
+                ids = batch["input_ids"]
+                child = context.Process(target=_compare_when_told, args=(ids, ids.clone(), go, result))
+                child.start()
+                del ids
+            del batch
+            gc.collect()
+    go.set()
+    assert child is not None
+    child.join(120)
+    assert result.value == 1, "the forked process's batch was written over"
+    _all_free(workers)
+    for ds in sources:
+        ds.close()
+
+
+class _KeepsLast:
+    """A collate over samples that keeps the first image of each of the last four batches in the worker (a
+    fallback for a bad batch, say: views of the columns those batches were gathered into) and checks, at each call,
+    that none has changed."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, samples: Any) -> Any:
+        if not all(torch.equal(held, copy) for held, copy in self.kept):
+            raise RuntimeError("a tensor this worker kept was written over")
+        image = torch.as_tensor(samples[0][0])
+        self.kept = [*self.kept[-3:], (image, image.clone())]
+        return default_collate(samples)
+
+
+def test_a_tensor_a_worker_keeps_is_never_written_over(cache_path: str) -> None:
+    ds = MmapCachedDataset(cache_path, ImageLabels(240, shape=(3, 64, 64)))
+    ds.fill()
+    loader = ds.loader(batch_size=8, num_workers=2, collate_fn=_KeepsLast(), persistent_workers=True)
+    for _ in range(2):
+        assert sum(1 for _ in loader) == 30
+    ds.close()
 
 
 def test_a_read_that_fails_in_a_worker_frees_its_storage(cache_path: str) -> None:
@@ -189,9 +255,7 @@ def test_a_read_that_fails_in_a_worker_frees_its_storage(cache_path: str) -> Non
     with pytest.raises(RuntimeError, match="the third batch"):
         list(loader)
     assert len(list(loader)) == 8
-    gc.collect()
-    lending.received(None)
-    assert int(loader._iterator._mmapcache_lending.flags.count_nonzero()) == 0
+    _all_free(loader)
     ds.close()
 
 
@@ -210,3 +274,34 @@ class _FailsOnce:
         if self.calls == 3:
             raise RuntimeError("the third batch")
         return batch
+
+
+_SMALL_SHM_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import torch
+from helpers.sources import ImageLabels, image_of
+from mmapcache import MmapCachedDataset
+
+ds = MmapCachedDataset(sys.argv[1], ImageLabels(8, shape=(3, 512, 512)))  # one batch of 6 MiB
+ds.fill()
+loader = ds.loader(batch_size=8, num_workers=1)
+for epoch in range(2):
+    for images, labels in loader:
+        assert all(torch.equal(images[i], torch.as_tensor(image_of(i, (3, 512, 512)))) for i in range(8))
+    del images, labels
+print("read")
+"""
+
+
+def test_a_dev_shm_too_small_for_the_pool_is_read_with_exact_storages(tmp_path: Any) -> None:
+    """/dev/shm (a container's is 64 MB) with room for a batch but not for the pool's quarter more: the worker
+    gives its free storages back and makes the batch's storage to its size, as without a pool. A real tmpfs of
+    7 MiB on /dev/shm, in a mount namespace of the child's own (needs root: skipped otherwise)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = ("mount -t tmpfs -o size=7M tmpfs /dev/shm && exec " + sys.executable + ' -c "$0" "$@"')
+    result = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, _SMALL_SHM_CHILD,
+                             str(tmp_path / "cache"), tests], capture_output=True, text=True, timeout=300)
+    if result.returncode != 0 and "mount" in result.stderr and "Traceback" not in result.stderr:
+        pytest.skip(f"cannot mount a tmpfs on /dev/shm in a mount namespace: {result.stderr.strip()}")
+    assert result.returncode == 0 and result.stdout.strip() == "read", result.stderr[-3000:]

@@ -17,10 +17,11 @@ one that the main process no longer maps:
   caller dropped its batch) gets its flag set back to 0, if it still holds that batch's generation, and its worker
   may fill it again. Until then the worker does not touch it, however long the caller keeps the batch.
 
-A lent storage that the main process sends on to another process (a tensor of the batch put on a multiprocessing
-queue: ``torch.multiprocessing`` shares it, mapped there too) is never freed: this process's weak reference cannot
-see that process's mapping, so ``_escaping`` (wrapped around torch's reducer for storages) drops its record, and its
-worker makes another.
+A lent storage that another process may map is that batch's for good: one the main process sends on (a tensor of
+the batch put on a multiprocessing queue; ``_escaping`` is wrapped around torch's reducer for storages), and every
+one it holds when it forks (``_before_fork``: the child maps them too). This process's weak reference cannot see
+those mappings, so its record is dropped and its flag set to ``_GONE``; its worker lets go of it and makes another.
+A worker also leaves alone a storage that anything in it still holds (a transform that kept a tensor of a batch).
 
 Memory: a worker holds at most ``_SLOTS`` storages, each at most a quarter more than the largest batch it read (what
 it has in flight at its busiest), for as long as it lives; a caller that keeps more batches than that has them in
@@ -34,6 +35,7 @@ too. A worker killed mid-batch loses only its pool.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import random
@@ -49,6 +51,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 _SLOTS = 6  # storages per worker: the batches DataLoader prefetches (2), the one being read, two the caller holds
+_GONE = -1  # a flag's value once the main process sent its storage on (or forked while holding it)
 _ROUND = 64 << 10  # a new storage's size is rounded up to this
 
 
@@ -89,7 +92,13 @@ class Lending:
                 self._row = self.flags.numpy()[self._worker]
                 self._generations = itertools.count(random.getrandbits(40) + 1)
             pool, row = self._pool, self._row
-            free = [j for j in range(len(pool)) if row[j] == 0]
+            for j in range(len(pool)):
+                if row[j] == _GONE:  # sent on from the main process: that batch's for good; this slot gets another
+                    pool[j], row[j] = None, 0
+            # Free: the main process holds none of it, and nothing in this worker does either (a transform that kept
+            # a tensor of an earlier batch, or the queue still sending it: only the pool's own reference is left).
+            free = [j for j in range(len(pool)) if row[j] == 0 and (
+                pool[j] is None or torch._C._storage_Use_Count(pool[j]._cdata) == 1)]  # type: ignore[union-attr]
             if not free:
                 return torch.UntypedStorage._new_shared(nbytes), None
             sizes = [0 if storage is None else storage.nbytes() for storage in pool]
@@ -99,7 +108,12 @@ class Lending:
             else:  # the free storage least worth keeping (none, or the smallest) makes way for a larger one
                 slot = min(free, key=sizes.__getitem__)
                 pool[slot] = None
-                pool[slot] = torch.UntypedStorage._new_shared(-(-(nbytes + nbytes // 4) // _ROUND) * _ROUND)
+                try:
+                    pool[slot] = torch.UntypedStorage._new_shared(-(-(nbytes + nbytes // 4) // _ROUND) * _ROUND)
+                except RuntimeError:  # shared memory full (a small /dev/shm): give the free ones back, ask exactly
+                    for j in free:
+                        pool[j] = None
+                    return torch.UntypedStorage._new_shared(nbytes), None
             generation = next(self._generations)
             row[slot] = generation
             storage = pool[slot]
@@ -140,12 +154,14 @@ def starting(reader: Any, workers: int) -> Iterator[Lending]:
     """Lends the storages of the workers that a DataLoader starts in this block to the main process: ``reader``,
     what it sends them, carries a ``Lending`` of their own while they start. Outside the block the reader carries
     none, so workers that some other DataLoader starts from it return plain batches. The caller keeps the
-    ``Lending`` it yields for as long as those workers may send batches (its flags are their pools')."""
-    reader.lending = lending = Lending(workers)
-    try:
-        yield lending
-    finally:
-        reader.lending = None
+    ``Lending`` it yields for as long as those workers may send batches (its flags are their pools'). (One block
+    at a time: workers started from one reader by two threads at once would otherwise share a ``Lending``.)"""
+    with _starting_lock:
+        reader.lending = lending = Lending(workers)
+        try:
+            yield lending
+        finally:
+            reader.lending = None
 
 
 # --- the main process's records ------------------------------------------------------------------------------------
@@ -155,12 +171,25 @@ _lendings: weakref.WeakValueDictionary[str, Lending] = weakref.WeakValueDictiona
 _pending: dict[int, tuple[np.ndarray, int, int, StorageWeakRef]] = {}
 _lock = threading.Lock()  # (batches arrive in the pin_memory thread too)
 _worker_lock = threading.Lock()
+_starting_lock = threading.Lock()
+
+
+@contextmanager
+def _locked() -> Iterator[None]:
+    """``_lock``, with the garbage collector off: a collection inside could finalise a DataLoader iterator whose
+    shutdown waits for its pin_memory thread, itself waiting here for the lock."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with _lock:
+            yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _record(tags: list[Tag]) -> None:
-    if not _escapes_watched:
-        _watch_escapes()
-    with _lock:
+    with _locked():
         for tag in tags:
             lending = _lendings.get(tag.key)
             if lending is not None:  # (else its loader is gone: so are its workers, after this batch)
@@ -173,27 +202,27 @@ def _record(tags: list[Tag]) -> None:
 def _sweep() -> None:
     if not _pending:
         return
-    with _lock:
+    with _locked():
         for address in list(_pending):
             _settle(address)
 
 
-def _settle(address: int) -> None:
-    """Frees the storage recorded at ``address`` if no tensor of this process holds it any more (under ``_lock``)."""
+def _settle(address: int, gone: bool = False) -> None:
+    """Frees the storage recorded at ``address`` if no tensor of this process holds it any more, or, ``gone``
+    (another process may map it), gives it up for good. Under ``_lock``."""
     entry = _pending.get(address)
-    if entry is not None and entry[3].expired():
+    if entry is None:
+        return
+    row, slot, generation, ref = entry
+    expired = ref.expired()  # (once: a storage unmapped here is in no process forked from now on)
+    if expired or gone:
         del _pending[address]
-        row, slot, generation, _ = entry
         if row[slot] == generation:
-            row[slot] = 0
-
-
-_escapes_watched = False
+            row[slot] = 0 if expired else _GONE
 
 
 def _watch_escapes() -> None:
     """Wraps torch's reducer for storages (registered with multiprocessing's pickler) in ``_escaping``."""
-    global _escapes_watched
     from multiprocessing.reduction import ForkingPickler
 
     reduce = ForkingPickler._extra_reducers.get(torch.UntypedStorage)  # type: ignore[attr-defined]
@@ -204,22 +233,28 @@ def _watch_escapes() -> None:
             return reduce(storage)
 
         ForkingPickler.register(torch.UntypedStorage, escaping)
-    _escapes_watched = True
 
 
 def _escaping(storage: torch.UntypedStorage) -> None:
-    """A storage about to be sent to another process: if it is lent, it stays lent (its record is dropped)."""
+    """A storage about to be sent to another process: if it is lent, it is that batch's for good."""
     if _pending:
-        with _lock:
-            entry = _pending.get(storage.data_ptr())
-            if entry is not None and not entry[3].expired():
-                del _pending[storage.data_ptr()]
+        with _locked():
+            _settle(storage.data_ptr(), gone=True)
 
 
-def _after_fork() -> None:  # a worker forked from the main process starts with none of its records
-    global _lock, _worker_lock
+def _before_fork() -> None:
+    """A process forked now maps every storage this one does: those lent are their batches' for good."""
+    if _pending:
+        with _locked():
+            for address in list(_pending):
+                _settle(address, gone=True)
+
+
+def _after_fork() -> None:  # (in the child) none of the parent's records; its locks anew
+    global _lock, _worker_lock, _starting_lock
     _pending.clear()
-    _lock, _worker_lock = threading.Lock(), threading.Lock()
+    _lock, _worker_lock, _starting_lock = threading.Lock(), threading.Lock(), threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+_watch_escapes()
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork)
