@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from helpers.sources import ImageLabels
+from helpers.sources import ImageLabels, sample_equal
 from helpers.text_sources import Tokenized
 from mmapcache import Mixture, MmapCachedDataset, PadCollate, TextCollate
 from mmapcache.read import lending
@@ -50,16 +50,6 @@ def _cloned(batch: Any) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_cloned(v) for v in batch)
     return batch
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return bool(a == b)
 
 
 def _loaders(cache_path: str, form: str, **kwargs: Any) -> tuple[Any, Any, list[MmapCachedDataset]]:
@@ -108,7 +98,7 @@ def test_a_workers_storages_are_reused_once_the_caller_drops_its_batches(cache_p
         _set_epoch(workers, epoch)
         inodes = set()
         for batch, want in zip(workers, expected, strict=True):
-            assert _equal(batch, want)
+            assert sample_equal(batch, want)
             inodes.add(_inode(_biggest(batch)))
         assert len(expected) == 30
         assert len(inodes) <= 2 * _SLOTS, f"{len(inodes)} storages for {len(expected)} batches: none reused"
@@ -129,7 +119,7 @@ def test_a_batch_the_caller_keeps_is_never_written_over(cache_path: str, context
         expected = list(plain)
         _set_epoch(workers, epoch)
         for k, (batch, want) in enumerate(zip(workers, expected, strict=True)):
-            assert _equal(batch, want)
+            assert sample_equal(batch, want)
             batches += 1
             inodes.add(_inode(batch["input_ids"]))
             if k in (5, 20):  # two a pass (their storages stay lent: the workers go on with the rest)
@@ -144,7 +134,7 @@ def test_a_batch_the_caller_keeps_is_never_written_over(cache_path: str, context
             gc.collect()
     assert len(inodes) < batches / 2, f"{len(inodes)} storages for {batches} batches: the pool was not reused"
     for held, copy in kept:
-        assert _equal(*(torch.from_numpy(x) if hasattr(x, "__array_interface__") else x for x in (held, copy)))
+        assert sample_equal(held, copy)
     for ds in sources:
         ds.close()
 
@@ -163,7 +153,7 @@ def test_an_abandoned_passs_prefetched_batches_come_back(cache_path: str) -> Non
     expected = list(plain)
     _set_epoch(workers, 3)
     for batch, want in zip(workers, expected, strict=True):
-        assert _equal(batch, want)
+        assert sample_equal(batch, want)
     del batch
     _all_free(workers)
     for ds in sources:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from helpers.sources import ImageLabels
+from helpers.sources import ImageLabels, sample_equal
 from helpers.text_sources import Tokenized
 from mmapcache import Mixture, MmapCachedDataset, PadCollate, TextCollate
 
@@ -32,16 +32,6 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return bool(a == b)
-
-
 def _stacked(samples: list[Any]) -> Any:
     return default_collate(samples)
 
@@ -54,7 +44,7 @@ def _check(with_workers: Any, without: Any) -> int:
     with_workers.sampler.set_epoch(0)
     for batch, expected in zip(with_workers, expected_batches, strict=True):
         batches += 1
-        assert _equal(batch, expected)
+        assert sample_equal(batch, expected)
         tensors = _tensors(batch)
         big = [t for t in tensors if t.nbytes > _SMALL]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in big}

@@ -13,9 +13,10 @@ one that the main process no longer maps:
   ``Tag``. All its storages lent or being filled: a storage of its own, as without a pool (never a wait).
 * The batch crosses as a ``Lent(batch, tags)``. Unpickled in the main process, it records a weak reference to each
   lent storage (``torch.multiprocessing``'s ``StorageWeakRef``) and keeps only the batch: ``received`` unwraps it.
-* Each arrival (and ``received``) sweeps the records: a storage no tensor of the main process holds any more (the
-  caller dropped its batch) gets its flag set back to 0, if it still holds that batch's generation, and its worker
-  may fill it again. Until then the worker does not touch it, however long the caller keeps the batch.
+* Each batch the loader hands on (``received``) sweeps the records first: a storage no tensor of the main process
+  holds any more (the caller dropped its batch) gets its flag set back to 0, if it still holds that batch's
+  generation, and its worker may fill it again. Until then the worker does not touch it, however long the caller
+  keeps the batch.
 
 A lent storage that another process may map is that batch's for good: one the main process sends on (a tensor of
 the batch put on a multiprocessing queue; ``_escaping`` is wrapped around torch's reducer for storages), and every
@@ -76,9 +77,6 @@ class Lending:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"key": self.key, "flags": self.flags, "_pool": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     # --- in a worker ---------------------------------------------------------------------------------------------
 
@@ -196,7 +194,6 @@ def _record(tags: list[Tag]) -> None:
                 _settle(tag.storage.data_ptr())  # (a dropped storage mapped at the same address before)
                 _pending[tag.storage.data_ptr()] = (lending.flags.numpy()[tag.worker], tag.slot, tag.generation,
                                                     StorageWeakRef(tag.storage))
-    _sweep()
 
 
 def _sweep() -> None:
