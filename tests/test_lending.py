@@ -47,6 +47,8 @@ def _cloned(batch: Any) -> Any:
         return batch.clone()
     if isinstance(batch, dict):
         return {k: _cloned(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # (PadCollate's Padded)
+        return type(batch)(*(_cloned(v) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(_cloned(v) for v in batch)
     return batch
@@ -133,6 +135,32 @@ def test_a_batch_the_caller_keeps_is_never_written_over(cache_path: str, context
             del batch
             gc.collect()
     assert len(inodes) < batches / 2, f"{len(inodes)} storages for {batches} batches: the pool was not reused"
+    for held, copy in kept:
+        assert sample_equal(held, copy)
+    for ds in sources:
+        ds.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="pin_memory needs an accelerator: without one DataLoader turns it off")
+@pytest.mark.parametrize("form", ["padded", "pad_collate"])
+def test_pinned_batches_equal_the_plain_ones_and_give_their_storages_back(cache_path: str, form: str) -> None:
+    """``pin_memory=True``: DataLoader's pin thread copies each lent batch into pinned memory (``Lent.pin_memory``)
+    and drops the lent one, whose storage must then come back to its worker. Batches kept over three passes of
+    persistent workers never change, and every storage is free once the caller holds none."""
+    workers, plain, sources = _loaders(cache_path, form, persistent_workers=True, pin_memory=True)
+    kept: list[tuple[Any, Any]] = []
+    for epoch in range(3):
+        _set_epoch(plain, epoch)
+        expected = list(plain)
+        _set_epoch(workers, epoch)
+        for k, (batch, want) in enumerate(zip(workers, expected, strict=True)):
+            assert _biggest(batch).is_pinned()
+            assert sample_equal(batch, want)
+            if k in (3, 17):
+                kept.append((batch, _cloned(batch)))
+            del batch
+        _all_free(workers)
     for held, copy in kept:
         assert sample_equal(held, copy)
     for ds in sources:
