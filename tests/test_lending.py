@@ -147,7 +147,8 @@ def test_a_batch_the_caller_keeps_is_never_written_over(cache_path: str, context
 def test_pinned_batches_equal_the_plain_ones_and_give_their_storages_back(cache_path: str, form: str) -> None:
     """``pin_memory=True``: DataLoader's pin thread copies each lent batch into pinned memory (``Lent.pin_memory``)
     and drops the lent one, whose storage must then come back to its worker. Batches kept over three passes of
-    persistent workers never change, and every storage is free once the caller holds none."""
+    persistent workers never change, and after each pass every storage is free although the caller keeps batches
+    (what it keeps are the pinned copies)."""
     workers, plain, sources = _loaders(cache_path, form, persistent_workers=True, pin_memory=True)
     kept: list[tuple[Any, Any]] = []
     for epoch in range(3):
