@@ -23,6 +23,7 @@ from torch.utils.data import default_collate
 from helpers.sources import ImageLabels, sample_equal
 from helpers.text_sources import Tokenized
 from mmapcache import Mixture, MmapCachedDataset, PadCollate, TextCollate
+from mmapcache.format.batch import arrays_of
 from mmapcache.read import lending
 
 _SLOTS = 6  # (read.lending's: storages per worker)
@@ -34,12 +35,7 @@ def _inode(t: torch.Tensor) -> int:
 
 
 def _biggest(batch: Any) -> torch.Tensor:
-    def tensors(obj: Any) -> list[torch.Tensor]:
-        if isinstance(obj, torch.Tensor):
-            return [obj]
-        items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
-        return [t for item in items for t in tensors(item)]
-    return max(tensors(batch), key=lambda t: t.nbytes)
+    return max((t for t in arrays_of(batch) if isinstance(t, torch.Tensor)), key=lambda t: t.nbytes)
 
 
 def _cloned(batch: Any) -> Any:

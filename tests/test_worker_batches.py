@@ -18,18 +18,13 @@ from torch.utils.data import default_collate
 from helpers.sources import ImageLabels, sample_equal
 from helpers.text_sources import Tokenized
 from mmapcache import Mixture, MmapCachedDataset, PadCollate, TextCollate
+from mmapcache.format.batch import arrays_of
 
 _SMALL = 64 << 10  # (read.arena's: smaller tensors are copied out on arrival)
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        return [t for item in batch for t in _tensors(item)]
-    return []
+    return [t for t in arrays_of(batch) if isinstance(t, torch.Tensor)]
 
 
 def _stacked(samples: list[Any]) -> Any:

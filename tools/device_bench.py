@@ -36,6 +36,7 @@ from benchmark.groups.text_corpus import pad_collate, write_corpus
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from mmapcache import MmapCachedDataset, TextCollate
+from mmapcache.format.batch import arrays_of
 
 IMAGE_SHAPE = (3, 224, 224)  # uint8: 150 KB
 OUT, FACTS = "", {}  # (set by main)
@@ -55,14 +56,9 @@ class Listed(Dataset):
 
 
 def _to_device(batch: Any, device: torch.device) -> None:
-    if isinstance(batch, torch.Tensor):
-        batch.to(device, non_blocking=True)
-    elif isinstance(batch, dict):
-        for value in batch.values():
-            _to_device(value, device)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            _to_device(value, device)
+    for tensor in arrays_of(batch):
+        if isinstance(tensor, torch.Tensor):
+            tensor.to(device, non_blocking=True)
 
 
 def _epoch(loader: Iterable[Any], device: torch.device | None) -> Callable[[], None]:
