@@ -150,7 +150,7 @@ def test_a_mixtures_batch_is_padded_from_every_sources_heaps_at_once(shm_dir: st
         no_checked_gather.clear()
         seen = []
         for batch, which in mixture.loader(batch_size=6, collate_fn=collate, return_source=True):
-            labels = (batch["label"]).tolist()
+            labels = batch["label" if isinstance(collate, PadCollate) else "labels"].tolist()  # (as HF names it)
             samples = [sources[s][label - 100 * s] for label, s in zip(labels, which.tolist())]
             expected = collate([{k: v for k, v in x.items() if k != "boxes"} for x in samples])
             assert _same({k: v for k, v in batch.items() if k != "boxes"}, expected)

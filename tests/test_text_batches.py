@@ -26,6 +26,11 @@ def _indices(batch: dict[str, Any]) -> list[int]:
     return [int(row[0]) // 1000 for row in batch["input_ids"]]
 
 
+def _kept(batch: dict[str, Any], columns: list[str] | None) -> dict[str, Any]:
+    """``batch`` less the sample fields ``columns`` leaves out (the built mask stays)."""
+    return {k: v for k, v in batch.items() if columns is None or k in columns or k in ("attention_mask", "labels")}
+
+
 @pytest.mark.parametrize("state", ["warm", "cold", "partial"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_padded_batches_equal_the_source_whatever_path_made_them(cache_path: str, state: str, workers: int) -> None:
@@ -43,6 +48,51 @@ def test_padded_batches_equal_the_source_whatever_path_made_them(cache_path: str
         seen += indices
     assert sorted(seen) == list(range(N))
     ds.close()
+
+
+@pytest.mark.parametrize("state", ["warm", "cold", "partial"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_columns_keep_only_the_fields_named_whatever_path_made_the_batch(cache_path: str, state: str,
+                                                                          workers: int) -> None:
+    """``columns`` leaves the other fields out of every batch (the warm path does not read them); a stored mask left
+    out is built from the lengths, so the batch is what ``model(**batch)`` takes; padded and flattened batches hold
+    the same values as without ``columns``, less the fields left out."""
+    source = Tokenized(N)
+    ds = MmapCachedDataset(cache_path, source, max_bytes=6000 if state == "partial" else None)
+    if state == "warm":
+        ds.fill()
+    seen = []
+    for batch in ds.loader(batch_size=8, shuffle=True, num_workers=workers,
+                           collate_fn=TextCollate(columns=["input_ids", "label"])):
+        indices = _indices(batch)
+        expected = expected_padded(_samples(source, indices))
+        del expected["text"]
+        assert same(batch, expected), indices
+        seen += indices
+    assert sorted(seen) == list(range(N))
+    flat, flat_all = TextCollate(flatten=True, columns=["input_ids"]), TextCollate(flatten=True)
+    for batch in ds.loader(batch_size=8, shuffle=True, num_workers=workers, collate_fn=flat):
+        indices = [int(i) for i in torch.unique_consecutive(batch["input_ids"][0] // 1000)]
+        expected = flat_all(_samples(source, indices))
+        del expected["text"], expected["label"]
+        assert same(batch, expected), indices
+    ds.close()
+
+
+def test_columns_name_fields_the_samples_have_and_keep_what_the_collate_pads(cache_path: str) -> None:
+    samples = [Tokenized(N)[i] for i in range(4)]
+    assert sorted(TextCollate(columns=["input_ids", "attention_mask"], build_mask=False)(samples)) == [
+        "attention_mask", "input_ids"]  # (the samples' own mask, padded)
+    assert sorted(TextCollate(columns=["text"], fields=[])(samples)) == ["text"]
+    assert sorted(TextCollate(columns=["input_ids"], attention_mask=None)(samples)) == ["input_ids"]
+    with MmapCachedDataset(cache_path, Tokenized(N)) as ds:
+        with pytest.raises(ValueError, match=r"TextCollate names \['input_idz'\], which the samples do not have"):
+            ds.loader(batch_size=4, collate_fn=TextCollate(columns=["input_idz"]))
+        with pytest.raises(ValueError, match=r"names \['input_ids'\] to pad or copy, which its columns=\['text'\] "
+                                             "leave out: add them to columns"):
+            ds.loader(batch_size=4, collate_fn=TextCollate(columns=["text"], labels="input_ids"))
+    with pytest.raises(TypeError, match=r"columns must be a list of field names, got the str 'text'"):
+        TextCollate(columns="text")  # type: ignore[arg-type]
 
 
 def test_a_collate_over_any_dataset_gives_the_same_batches(cache_path: str) -> None:
@@ -217,11 +267,12 @@ def test_a_flattened_batch_leaves_empty_samples_out_of_its_boundaries_as_hugging
         TextCollate(flatten=True, pad_to_multiple_of=8)
 
 
-def test_ranks_and_a_resume_at_every_step_serve_the_sources_values(cache_path: str) -> None:
+@pytest.mark.parametrize("columns", [None, ["input_ids", "label"]])
+def test_ranks_and_a_resume_at_every_step_serve_the_sources_values(cache_path: str, columns: list[str] | None) -> None:
     source = Tokenized(N)
     with MmapCachedDataset(cache_path, source) as ds:
         ds.fill()
-        collate = TextCollate()
+        collate = TextCollate(columns=columns)
         for rank in range(2):
             loader = ds.loader(batch_size=4, shuffle=True, rank=rank, world_size=2, collate_fn=collate)
             full = [_indices(b) for b in loader]
@@ -235,7 +286,7 @@ def test_ranks_and_a_resume_at_every_step_serve_the_sources_values(cache_path: s
                 again.load_state_dict(state)
                 rest = list(again)
                 assert [_indices(b) for b in rest] == full[k:]
-                assert all(same(b, expected_padded(_samples(source, _indices(b)))) for b in rest)
+                assert all(same(b, _kept(expected_padded(_samples(source, _indices(b))), columns)) for b in rest)
 
 
 def test_a_mixture_and_a_stream_pad_as_a_cache_does(shm_dir: str) -> None:
@@ -302,16 +353,14 @@ def test_a_model_takes_the_batches_as_they_come(cache_path: str) -> None:
     model = _tiny_model(transformers)
     with MmapCachedDataset(cache_path, _Ids()) as ds:
         ds.fill()
-        loader = ds.loader(batch_size=8, collate_fn=TextCollate(labels="input_ids", fields=["input_ids"]))
-        for batch in loader:
-            text = batch.pop("text")
-            assert len(text) == 8
+        loader = ds.loader(batch_size=8, collate_fn=TextCollate(labels="input_ids", columns=["input_ids"]))
+        for batch in loader:  # (columns: the batch holds what the model takes, not the samples' text)
+            assert sorted(batch) == ["attention_mask", "input_ids", "labels"]
             out = model(**batch)
             assert torch.isfinite(out.loss)
         flat = ds.loader(batch_size=8, collate_fn=TextCollate(labels="input_ids", flatten=True,
-                                                              fields=["input_ids"]))
+                                                              columns=["input_ids"]))
         batch = next(iter(flat))
-        batch.pop("text")
         kwargs = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
         assert torch.isfinite(model(**kwargs).loss)  # (flash-attention's varlen kernels take the cu_seq_lens too)
 
@@ -337,6 +386,42 @@ def test_hugging_faces_trainer_trains_on_the_cache_with_the_collate(cache_path: 
         losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
         assert result.global_step == 6 and len(losses) == 6 and all(np.isfinite(losses))
         assert losses[-1] < losses[0]
+
+
+class _Classes(torch.utils.data.Dataset):
+    """What a text classifier trains on, as Hugging Face's datasets give it: ids, a mask, a text and a ``label``."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        ids = _Ids()[i]["input_ids"]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "text": f"s{i}", "label": i % 2}
+
+
+def test_a_classifier_and_its_trainer_take_the_class_label_as_labels(cache_path: str, tmp_path: Any) -> None:
+    """A class ``label`` comes back as ``labels``, as Hugging Face's collators return it: a model given ``label``
+    ignores it and returns no loss, and its ``Trainer`` stops at the first step."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16,
+                                     vocab_size=64, num_labels=2)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    source = _Classes()
+    with MmapCachedDataset(cache_path, source) as ds:
+        ds.fill()
+        batch = next(iter(ds.loader(batch_size=8, collate_fn=TextCollate(columns=["input_ids", "label"]))))
+        assert sorted(batch) == ["attention_mask", "input_ids", "labels"]
+        assert batch["labels"].tolist() == [source[i]["label"] for i in range(8)]
+        assert torch.isfinite(model(**batch).loss)
+        kept = next(iter(ds.loader(batch_size=8, collate_fn=TextCollate(rename_labels=False))))
+        assert "labels" not in kept and model(**{k: kept[k] for k in ("input_ids", "label")}).loss is None
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8,
+                                              max_steps=4, learning_rate=1e-2, report_to=[], use_cpu=True,
+                                              logging_steps=1, save_strategy="no", dataloader_num_workers=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, data_collator=TextCollate())
+        assert trainer.train().global_step == 4
+        assert all(np.isfinite(log["loss"]) for log in trainer.state.log_history if "loss" in log)
 
 
 class _LongAndEmpty(torch.utils.data.Dataset):

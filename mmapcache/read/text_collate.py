@@ -12,7 +12,12 @@ makes that from samples that are dicts of fields:
   (default ``input_ids``): 1 on the tokens, 0 on the padding;
 - ``labels="input_ids"`` also returns that field as ``labels``, padded with ``ignore_index`` (a causal language
   model's labels; masked by length, not by token id: an EOS that is also the pad token stays a label);
-- every other field is collated as ``default_collate`` collates it (``str`` fields: lists).
+- every other field is collated as ``default_collate`` collates it (``str`` fields: lists); a class ``label`` (or
+  ``label_ids``) comes back as ``labels``, as Hugging Face's collators return it (a model given ``label`` ignores it
+  and returns no loss), unless the batch has ``labels`` already (padded batches: a flattened one's ``labels`` are
+  tokens);
+- ``columns`` keeps only the fields named (what ``model(**batch)`` takes: no ``text`` key a model's ``forward``
+  refuses); the others are never read, so a warm batch neither copies nor decodes them.
 
 With ``flatten=True`` the batch is padding-free, as Hugging Face's ``DataCollatorWithFlattening`` makes it for
 flash-attention's variable-length kernels: one row of every token of each padded field (``input_ids`` ``(1, T)``),
@@ -41,6 +46,7 @@ from .heap_batch import Located, WarmRows, bits_of, flat_tensor, mask_of, padded
 __all__ = ["TextCollate"]
 
 _LABELS = "labels"
+_CLASS_LABELS = ("label", "label_ids")  # what Hugging Face's collators return as labels
 
 
 class TextCollate:
@@ -63,12 +69,19 @@ class TextCollate:
         flatten: padding-free batches (see the module docstring).
         pad_to_multiple_of: round each padded length up to a multiple of this (tensor cores like multiples of 8).
         fields: the fields to pad or flatten (default: every 1-D field of numbers).
+        columns: the samples' fields the batch holds (default: all), as Hugging Face's ``select_columns``; the others
+            are not read. What the collate makes is added to them: a built mask (a samples' ``attention_mask`` not
+            named is not read, so the mask is built from the lengths: ``attention_mask=None`` for none),
+            ``labels``, and a flattened batch's positions and boundaries.
+        rename_labels: return a ``label`` or ``label_ids`` field that is not padded (a class per sample) as
+            ``labels`` in a padded batch that has no ``labels`` (see the module docstring); False keeps its name.
     """
 
     def __init__(self, pad: int | Mapping[str, int] = 0, *, attention_mask: str | None = "attention_mask",
                  mask_dtype: torch.dtype = torch.int64, mask_from: str | None = None, build_mask: bool = False,
                  labels: str | None = None, ignore_index: int = -100, flatten: bool = False,
-                 pad_to_multiple_of: int | None = None, fields: Iterable[str] | None = None) -> None:
+                 pad_to_multiple_of: int | None = None, fields: Iterable[str] | None = None,
+                 columns: Iterable[str] | None = None, rename_labels: bool = True) -> None:
         if isinstance(pad, Mapping):
             if not all(isinstance(k, str) and _is_int(v) for k, v in pad.items()):
                 raise TypeError(f"pad must be an int or a dict of field name -> int, got {dict(pad)!r}")
@@ -88,13 +101,17 @@ class TextCollate:
         if pad_to_multiple_of is not None and flatten:
             raise ValueError("pad_to_multiple_of rounds up padded rows; a flattened batch has no padding (one row of "
                              "every token): pass one or the other")
-        if isinstance(fields, str):
-            raise TypeError(f"fields must be a list of field names, got the str {fields!r}; write fields=[{fields!r}]")
+        for name, names in (("fields", fields), ("columns", columns)):
+            if isinstance(names, str):
+                raise TypeError(f"{name} must be a list of field names, got the str {names!r}; write "
+                                f"{name}=[{names!r}]")
         self.attention_mask, self.mask_dtype = attention_mask, mask_dtype
         self.mask_from, self.build_mask = mask_from, bool(build_mask)
         self.labels, self.ignore_index = labels, int(ignore_index)
         self.flatten, self.multiple = bool(flatten), pad_to_multiple_of
         self.fields = None if fields is None else list(fields)
+        self.columns = None if columns is None else frozenset(columns)
+        self.rename_labels = bool(rename_labels)
         self._kept_plans: dict[int, tuple[list[Any], Any]] = {}  # (see ``_warm_plan``)
 
     def pad_of(self, name: str) -> int:
@@ -103,14 +120,26 @@ class TextCollate:
             return self.pads[name]
         return self.ignore_index if name == _LABELS else self.default_pad
 
+    def _kept(self, names: Any) -> Any:
+        """``names`` (the samples' fields, in their order) less those ``columns`` leaves out."""
+        if self.columns is None:
+            return names
+        kept = [name for name in names if name in self.columns]
+        return set(kept) if isinstance(names, (set, frozenset)) else kept
+
     def check_fields(self, paths: set[str]) -> None:
-        """A ValueError if ``fields``, ``pad``, ``mask_from`` or ``labels`` names a field the samples do not have
-        (a typo would silently not pad), or ``labels=`` would replace the samples' own ``labels``."""
+        """A ValueError if ``columns``, ``fields``, ``pad``, ``mask_from`` or ``labels`` names a field the samples do
+        not have (a typo would silently not pad), one of the last four a field ``columns`` leaves out, or ``labels=``
+        would replace the samples' own ``labels``."""
         named = set(self.fields or []) | set(self.pads) | ({self.labels} if self.labels else set()) | (
             {self.mask_from} if self.mask_from else set())
-        if not named <= paths:
-            raise ValueError(f"TextCollate names {sorted(named - paths)}, which the samples do not have; their "
-                             f"fields are {sorted(paths)}")
+        if not (named | (self.columns or set())) <= paths:
+            raise ValueError(f"TextCollate names {sorted((named | (self.columns or set())) - paths)}, which the "
+                             f"samples do not have; their fields are {sorted(paths)}")
+        if self.columns is not None and not named <= self.columns:
+            raise ValueError(f"TextCollate names {sorted(named - self.columns)} to pad or copy, which its "
+                             f"columns={sorted(self.columns)} leave out: add them to columns")
+        paths = self._kept(paths)
         if self.labels is not None and _LABELS in paths:
             raise ValueError(f"TextCollate(labels={self.labels!r}) would replace the samples' own {_LABELS!r} field "
                              f"(prompt tokens masked with -100, say): leave labels= out, and their {_LABELS!r} are "
@@ -124,6 +153,7 @@ class TextCollate:
                             f"got {type(samples[0]).__name__ if samples else 'an empty batch'}")
         names = list(samples[0])
         self.check_fields(set(names))
+        names = self._kept(names)
         padded = self._padded_names(names, lambda n: _sequences([s[n] for s in samples]))
         values: dict[str, tuple[Located, torch.dtype]] = {}
         for name in padded:
@@ -202,7 +232,17 @@ class TextCollate:
         if self.labels is not None:
             located, dtype = values[self.labels]
             out[_LABELS] = _padded(located, self.ignore_index, dtype, widths[self.labels])
-        return out
+        return self._renamed(out, values)
+
+    def _renamed(self, out: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+        """``out`` with its class label (``label``, else ``label_ids``: not a padded field) as ``labels``, in its
+        place, where ``rename_labels`` and ``out`` has no ``labels``."""
+        if not self.rename_labels or _LABELS in out:
+            return out
+        key = next((k for k in _CLASS_LABELS if k in out and k not in values), None)
+        if key is None:
+            return out
+        return {(_LABELS if k == key else k): v for k, v in out.items()}
 
     def _width(self, lengths: np.ndarray) -> int:
         width = int(lengths.max()) if len(lengths) else 0
@@ -280,7 +320,7 @@ class TextCollate:
         kept = self._kept_plans.get(id(fields))
         if kept is not None and kept[0] is fields:  # (the same list: an id is reused only once it is freed)
             return kept[1]
-        names = [f.name for f in fields if f.kind != "json"]
+        names = self._kept([f.name for f in fields if f.kind != "json"])
         number = {f.name: k for k, f in enumerate(fields)}
         chosen = self._padded_names(names, lambda n: _one_dim(fields[number[n]]))
         padded: list[tuple[str, int, torch.dtype]] | None = [
@@ -289,7 +329,7 @@ class TextCollate:
             padded = None
         skipped = self.attention_mask if self._builds(names) or self.flatten else None
         others = [(f.name, k) for k, f in enumerate(fields)
-                  if f.name not in chosen and f.kind != "json" and f.name != skipped]
+                  if f.name not in chosen and f.name in names and f.name != skipped]
         plan = (names, padded, others)
         if len(self._kept_plans) >= 16:
             self._kept_plans.clear()
@@ -299,7 +339,7 @@ class TextCollate:
     def from_columns(self, reader: Any, columns: list[Any]) -> dict[str, Any]:
         """The batch from a checked gather's columns (``RowReader.gather``: fixed arrays, ``RaggedColumn``s)."""
         fields = reader.fields
-        names = [f.name for f in fields if f.kind != "json"]
+        names = self._kept([f.name for f in fields if f.kind != "json"])
         number = {f.name: k for k, f in enumerate(fields)}
         padded = self._padded_names(names, lambda n: _one_dim(fields[number[n]]))
         values: dict[str, tuple[Located, torch.dtype]] = {}
@@ -315,7 +355,7 @@ class TextCollate:
             values[name] = (_located(flat, counts), _target(fields[k]))
         rest = {}
         for k, field in enumerate(fields):
-            if field.name in values or field.kind == "json" or (
+            if field.name in values or field.name not in names or (
                     field.name == self.attention_mask and (self._builds(names) or self.flatten)):
                 continue
             if field.ragged:

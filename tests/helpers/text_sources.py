@@ -39,8 +39,9 @@ def expected_padded(samples: list[dict[str, Any]], pad: int = 0, labels: bool = 
     for k, s in enumerate(samples):
         ids[k, :len(s["input_ids"])] = s["input_ids"]
         mask[k, :len(s["input_ids"])] = 1
+    # (the class label comes back as labels, as Hugging Face's collators return it, unless labels are made)
     out = {"input_ids": ids, "attention_mask": mask, "text": [s["text"] for s in samples],
-           "label": torch.tensor([s["label"] for s in samples])}
+           "label" if labels else "labels": torch.tensor([s["label"] for s in samples])}
     if labels:
         out["labels"] = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
     return out

@@ -58,15 +58,15 @@ class _TextLoader(LoaderReader):
 
 class TextDict(_TextLoader):
     """``ds.loader(collate_fn=TextCollate(0))``: ``input_ids`` padded with 0, ``attention_mask`` made from the
-    lengths (the stored mask is not read), ``label`` stacked, ``text`` listed."""
+    lengths (the stored mask is not read), ``label`` stacked (as ``labels``), ``text`` listed."""
 
     name, label = "dict", "mmapcache ds.loader(collate_fn=TextCollate(0)): dict of plain tensors, mask from lengths"
 
     collate: Mapping[str, Any] = {"pad": 0}
 
     def canonical(self, batch: Any) -> dict[str, Any]:
-        _plain(batch, self.name, ("input_ids", "attention_mask", "label"))
-        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": batch["label"],
+        _plain(batch, self.name, ("input_ids", "attention_mask", "labels"))
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": batch["labels"],
                 "text": batch["text"]}
 
 
