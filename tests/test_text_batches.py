@@ -295,9 +295,10 @@ def test_a_mixture_and_a_stream_pad_as_a_cache_does(shm_dir: str) -> None:
     sources = {name: Tokenized(20 + 5 * k, seed=k) for k, name in enumerate(("a", "b"))}
     caches = {name: MmapCachedDataset(os.path.join(shm_dir, name), src) for name, src in sources.items()}
     mix = Mixture(caches, seed=1)
-    for batch, which in mix.loader(batch_size=6, collate_fn=TextCollate(), return_source=True):
-        samples = [sources[mix.names[s]][i] for s, i in zip(which.tolist(), _indices(batch))]
-        assert same(batch, expected_padded(samples))
+    for columns in (None, ["input_ids", "label"], None):  # (cold, then warm: read from the heaps)
+        for batch, which in mix.loader(batch_size=6, collate_fn=TextCollate(columns=columns), return_source=True):
+            samples = [sources[mix.names[s]][i] for s, i in zip(which.tolist(), _indices(batch))]
+            assert same(batch, _kept(expected_padded(samples), columns))
 
     class Tokens(Fresh):
         def __getitem__(self, index: int) -> Any:

@@ -9,8 +9,10 @@ seeded permutation and pads each batch to its longest sample (or flattens it). M
    2: one ``interleave`` per table over the sides in ``READERS``: ``ds.loader`` with ``PadCollate``; with
    ``TextCollate`` (a dict of plain tensors, the mask built from the lengths), padding-free
    (``TextCollate(flatten=True)``) and over a second cache storing the ids as int32 and the mask as ones
-   (``store_as``); a list of dicts + ``pad_sequence``, HF ``datasets``, litdata; and two floors: a numpy gather
-   into a zeroed padded array, and (for flat batches) a raw gather of the token values from the cache's heap file.
+   (``store_as``), padded and flat again with ``columns`` (the model's fields only: the texts not read); a list of
+   dicts + ``pad_sequence``, HF ``datasets``, litdata; and three floors: a numpy gather into a zeroed padded array,
+   and (for flat batches) a raw gather of the token values from the cache's heap file, with the texts' bytes and
+   without.
    Before any timing, every side's batches for the same indices are checked equal to the floor's. Targets: both
    mmapcache padded sides against the list of dicts and HF; the flat side against the heap gather (without workers:
    the floor is one process).
@@ -152,6 +154,12 @@ def _table(cfg: Config, results: Results, readers: list[Reader], batch: int, wor
     else:
         info(results, "text", cmp, "flat", "flatfloor", f"text {where}: flat vs the flat floor (heap gather)")
     info(results, "text", cmp, "narrowed", "dict", f"text {where}: narrowed cache vs the plain one, both TextCollate")
+    # columns=: the model's fields only, the texts not read (no targets: the rows above hold those).
+    for other in ("list", "hf"):
+        info(results, "text", cmp, "tokens", other, f"text {where}: TextCollate(columns=model's) vs {other}")
+    info(results, "text", cmp, "tokens", "dict", f"text {where}: TextCollate(columns=model's) vs all fields")
+    info(results, "text", cmp, "flattokens", "flattokensfloor",
+         f"text {where}: flat, columns=model's, vs the flat floor of the tokens")
 
 
 def _memory(results: Results, corpus: Corpus, tmp: str, ds: MmapCachedDataset) -> None:

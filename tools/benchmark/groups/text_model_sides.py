@@ -70,6 +70,25 @@ class TextDict(_TextLoader):
                 "text": batch["text"]}
 
 
+# The fields a model takes (``columns``): the token ids and the class label; the text is left out, never read.
+MODEL_COLUMNS = ["input_ids", "label"]
+
+
+class TextTokens(TextDict):
+    """``TextDict`` with ``columns=MODEL_COLUMNS``: the batch a model takes as it is (``input_ids``, the mask made
+    from the lengths, ``labels``), the texts not read."""
+
+    name, label = "tokens", (f"mmapcache ds.loader(collate_fn=TextCollate(0, columns={MODEL_COLUMNS})): the model's "
+                             "fields only, texts not read")
+
+    collate: Mapping[str, Any] = {"pad": 0, "columns": MODEL_COLUMNS}
+
+    def canonical(self, batch: Any) -> dict[str, Any]:
+        if sorted(batch) != ["attention_mask", "input_ids", "labels"]:
+            raise AssertionError(f"{self.name}: the batch's keys are {sorted(batch)}")
+        return super().canonical({**batch, "text": None})
+
+
 class Narrowed(TextDict):
     """``TextDict`` over a second cache of the corpus stored with ``STORE_AS`` (int32 ids, the mask as lengths
     only): the ids widened to int64 by the collate's one copy."""
@@ -104,6 +123,9 @@ class Flat(_TextLoader):
 
     def canonical(self, batch: Any) -> dict[str, Any]:
         _plain(batch, self.name, ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "label"))
+        return self._padded_form(batch)
+
+    def _padded_form(self, batch: Any) -> dict[str, Any]:
         ids, cu = batch["input_ids"], batch["cu_seq_lens_q"]
         lengths = torch.diff(cu).tolist()
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -113,7 +135,22 @@ class Flat(_TextLoader):
             raise AssertionError(f"{self.name}: the flat batch's shape, cu_seq_lens, position_ids or max_length "
                                  f"disagree (input_ids {tuple(ids.shape)}, cu_seq_lens {cu.tolist()[:4]}...)")
         padded, mask = _padded(ids[0], lengths)
-        return {"input_ids": padded, "attention_mask": mask, "labels": batch["label"], "text": batch["text"]}
+        return {"input_ids": padded, "attention_mask": mask, "labels": batch["label"], "text": batch.get("text")}
+
+
+class FlatTokens(Flat):
+    """``Flat`` with ``columns=MODEL_COLUMNS``: the tokens, their positions and boundaries and the class label; the
+    texts not read (against ``FlatTokensFloor``, the same bytes)."""
+
+    name, label = "flattokens", (f"mmapcache ds.loader(collate_fn=TextCollate(flatten=True, columns={MODEL_COLUMNS}))"
+                                 ": padding-free, texts not read")
+
+    collate: Mapping[str, Any] = {"flatten": True, "columns": MODEL_COLUMNS}
+
+    def canonical(self, batch: Any) -> dict[str, Any]:
+        if "text" in batch:
+            raise AssertionError(f"{self.name}: the batch holds the texts columns= leaves out")
+        return super().canonical(batch)
 
 
 class FlatFloor(GatherFloor):
@@ -169,3 +206,14 @@ class FlatFloor(GatherFloor):
             ids, mask = _padded(torch.from_numpy(flat), lengths.tolist())
             out.append({"input_ids": ids, "attention_mask": mask, "labels": torch.from_numpy(labels), "text": None})
         return out
+
+
+class FlatTokensFloor(FlatFloor):
+    """``FlatFloor`` without the texts: the token values and the labels, the bytes ``FlatTokens`` copies."""
+
+    name, label = "flattokensfloor", ("flat floor of the tokens: numpy gather of the token values and labels, no "
+                                      "texts, one process, no checks")
+
+    def __init__(self, corpus: Corpus, tmp: str, ds: MmapCachedDataset) -> None:
+        super().__init__(corpus, tmp, ds)
+        self.text = None

@@ -25,7 +25,15 @@ from torch.utils.data import DataLoader
 
 from benchmark.core import Timed
 from benchmark.groups.text_corpus import SEED, Corpus, open_corpus, pad_collate
-from benchmark.groups.text_model_sides import Flat, FlatFloor, Narrowed, TextDict
+from benchmark.groups.text_model_sides import (
+    Flat,
+    FlatFloor,
+    FlatTokens,
+    FlatTokensFloor,
+    Narrowed,
+    TextDict,
+    TextTokens,
+)
 from benchmark.groups.text_reader import GatherFloor, LoaderReader, Reader
 from mmapcache import MmapCachedDataset, PadCollate
 
@@ -240,7 +248,8 @@ def litdata_child(conn: Any, paths: dict[str, str], out: str, log: str) -> None:
 
 
 # Every side of the warm tables, in the order they run and are shown; a new side is one entry here.
-READERS: list[type[Reader]] = [Cached, TextDict, Flat, Narrowed, ListOfDicts, HFDatasets, Litdata, Floor, FlatFloor]
+READERS: list[type[Reader]] = [Cached, TextDict, TextTokens, Flat, FlatTokens, Narrowed, ListOfDicts, HFDatasets,
+                               Litdata, Floor, FlatFloor, FlatTokensFloor]
 
 
 def du(path: str) -> int:
