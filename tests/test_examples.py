@@ -165,3 +165,28 @@ def test_mixture_reads_its_weights_follows_its_curriculum_and_resumes_on_two_ran
     resumed = re.search(r"(\d+) samples left, (\d+) read by the 2 ranks \((\d+) of padding\), the same sources: True",
                         out)
     assert resumed and int(resumed.group(1)) + int(resumed.group(3)) == int(resumed.group(2)), out
+
+
+def test_text_tokenizes_once_then_trains_from_the_cache_padded_and_flat(shm_dir: str) -> None:
+    """A real tokenizer's ids, stored narrower (int32, the mask as ones), read back as the tokenizer gives them; the
+    second run (padding-free batches) starts warm; the model's loss is finite and falls over the epochs."""
+    pytest.importorskip("transformers")
+    cache = os.path.join(shm_dir, "text")
+    args = [sys.executable, os.path.join(EXAMPLES, "text.py"), "--documents", "120", "--epochs", "3",
+            "--batch-size", "8", "--max-length", "64", "--cache", cache]
+    out = run(args)
+    assert re.search(r"epoch 1: .*\(cold: tokenizing\)", out) and re.search(r"epoch 3: .*\(warm\)", out), out
+    assert "summary: 120 of 120 documents cached" in out, out
+    losses = [float(x) for x in re.findall(r"mean loss (\S+)", out)]
+    assert len(losses) == 3 and all(x == x for x in losses) and losses[-1] < losses[0], out
+    flat = run([*args, "--flatten", "--epochs", "1"])
+    assert "(120 of 120 documents cached)" in flat and re.search(r"epoch 1: .*\(warm\)", flat), flat
+
+    example = load_example("text")
+    documents = example.stdlib_documents(120)
+    source = example.Tokenized(documents, example.train_tokenizer(documents, 2000), 64)
+    # By path, without the source: what the example stored, under the same documents, vocabulary and truncation
+    # (another fingerprint would be refused).
+    with MmapCachedDataset(cache, fingerprint=source.fingerprint()) as ds:
+        for i in range(len(documents)):
+            assert sample_equal(ds[i], source[i]), i

@@ -366,6 +366,37 @@ def test_a_model_takes_the_batches_as_they_come(cache_path: str) -> None:
         assert torch.isfinite(model(**kwargs).loss)  # (flash-attention's varlen kernels take the cu_seq_lens too)
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_a_flattened_batch_gives_each_sample_the_logits_of_its_padded_row(cache_path: str, model_type: str) -> None:
+    """Through ``model(**batch)`` in training mode with ``sdpa`` attention (no flash-attention here), each sample of
+    a flattened batch attends to itself only: its logits are those of its row of the padded batch. Without the
+    batch's ``use_cache=False`` the model keeps a cache and lets samples attend to the ones before them."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if model_type == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=128,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                          hidden_size=32, intermediate_size=32, vocab_size=64,
+                                          max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
+        model = transformers.LlamaForCausalLM(config)
+    model.train()
+    with MmapCachedDataset(cache_path, _Ids()) as ds:
+        ds.fill()
+        padded = next(iter(ds.loader(batch_size=6, collate_fn=TextCollate(labels="input_ids", columns=["input_ids"]))))
+        flat = next(iter(ds.loader(batch_size=6, collate_fn=TextCollate(labels="input_ids", flatten=True,
+                                                                        columns=["input_ids"]))))
+    assert flat["use_cache"] is False
+    rows = model(**padded).logits
+    lengths = padded["attention_mask"].sum(1).tolist()
+    expected = torch.cat([rows[k, :n] for k, n in enumerate(lengths)])
+    assert torch.allclose(model(**flat).logits[0], expected, atol=1e-5)
+    flat["use_cache"] = True
+    assert not torch.allclose(model(**flat).logits[0], expected, atol=1e-5)  # (what use_cache=False prevents)
+
+
 def test_hugging_faces_trainer_trains_on_the_cache_with_the_collate(cache_path: str, tmp_path: Any) -> None:
     transformers = pytest.importorskip("transformers")
     model = _tiny_model(transformers)

@@ -23,7 +23,10 @@ With ``flatten=True`` the batch is padding-free, as Hugging Face's ``DataCollato
 flash-attention's variable-length kernels: one row of every token of each padded field (``input_ids`` ``(1, T)``),
 ``position_ids`` restarting at 0 with each sample, ``labels`` with ``ignore_index`` at each sample's first token, the
 non-empty samples' boundaries ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32) and ``max_length_q``/``max_length_k``;
-no attention mask (the boundaries are the mask).
+no attention mask (the boundaries are the mask), and ``use_cache=False``: flash-attention's kernels read the
+boundaries, but with any other attention (``sdpa``, ``eager``: every CPU) a Hugging Face model builds the
+per-sample mask from ``position_ids`` only when it keeps no cache, and otherwise lets each sample attend to the ones
+before it in the row, silently (transformers 5: ``masking_utils``). ``model(**batch)`` thereby passes it.
 
 Over any dataset it works as a ``collate_fn`` (from the samples), every batch with the same keys. Given to
 ``ds.loader()`` (or a mixture's), a warm batch is copied straight from the caches' heaps into the padded (or flat)
@@ -281,7 +284,8 @@ class TextCollate:
             out[_LABELS] = labels
         longest = int(lengths.max()) if len(lengths) else 0
         cu_tensor = torch.from_numpy(cu)
-        out.update(cu_seq_lens_q=cu_tensor, cu_seq_lens_k=cu_tensor, max_length_q=longest, max_length_k=longest)
+        out.update(cu_seq_lens_q=cu_tensor, cu_seq_lens_k=cu_tensor, max_length_q=longest, max_length_k=longest,
+                   use_cache=False)  # (see the module docstring)
         return out
 
     # --- straight from caches' maps -------------------------------------------------------------------------------
