@@ -62,3 +62,44 @@ def test_torch_format_with_the_padding_collate(cache_path: str) -> None:
     assert batch["caption"] == [source[i]["caption"] for i in range(N)]
     assert batch["image"].dtype == torch.uint8 or batch["image"].dtype == torch.int64  # as the format gives it
     ds.close()
+
+
+def test_a_classifier_trains_on_the_cache_as_on_the_tokenized_dataset(cache_path: str, tmp_path: Any) -> None:
+    """The GLUE recipe: a ``datasets.map``-tokenized dataset (a sentence, a class ``label``, an ``idx``) trained and
+    evaluated by ``Trainer`` with ``DataCollatorWithPadding``, and the same dataset cached, with ``TextCollate``: the
+    same losses, step by step, and the same evaluation (the label comes back as ``labels``; the other columns reach
+    the model's ``**kwargs`` only)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from mmapcache import TextCollate
+
+    texts = [f"the film was {('good', 'bad')[i % 2]} and {('short', 'long', 'odd')[i % 3]} " * (1 + i % 4)
+             for i in range(96)]
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=300, special_tokens=["<pad>"], show_progress=False)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="<pad>")
+    raw = datasets.Dataset.from_dict({"sentence": texts, "label": [i % 2 for i in range(96)], "idx": list(range(96))})
+    encoded = raw.map(lambda b: tokenizer(b["sentence"], truncation=True, max_length=48), batched=True)
+
+    def run(train: Any, evaluate: Any, collator: Any, out: str) -> tuple[list[float], dict[str, float]]:
+        config = transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                         intermediate_size=32, vocab_size=len(tokenizer), num_labels=2,
+                                         pad_token_id=tokenizer.pad_token_id, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0)
+        torch.manual_seed(0)
+        model = transformers.BertForSequenceClassification(config)
+        args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=8, num_train_epochs=2,
+                                              report_to=[], use_cpu=True, save_strategy="no", logging_steps=1,
+                                              learning_rate=5e-3, seed=3, dataloader_num_workers=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluate,
+                                       data_collator=collator)
+        trainer.train()
+        return [log["loss"] for log in trainer.state.log_history if "loss" in log], trainer.evaluate()
+
+    theirs = run(encoded, encoded.select(range(32)), transformers.DataCollatorWithPadding(tokenizer),
+                 str(tmp_path / "hf"))
+    with MmapCachedDataset(cache_path, encoded.with_format("torch")) as ds, \
+            MmapCachedDataset(cache_path + "-eval", encoded.select(range(32)).with_format("torch")) as held_out:
+        ours = run(ds, held_out, TextCollate(pad=tokenizer.pad_token_id), str(tmp_path / "ours"))
+    assert len(theirs[0]) == 24 and ours[0] == theirs[0]
+    assert ours[1]["eval_loss"] == theirs[1]["eval_loss"]
