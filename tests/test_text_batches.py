@@ -420,6 +420,40 @@ def test_hugging_faces_trainer_trains_on_the_cache_with_the_collate(cache_path: 
         assert losses[-1] < losses[0]
 
 
+def test_a_trainer_can_read_through_ds_loader_a_new_order_each_epoch(cache_path: str, tmp_path: Any) -> None:
+    """``Trainer.get_train_dataloader`` overridden to return ``ds.loader`` (the guide's recipe: batches copied
+    straight from the heaps): ``Trainer`` calls its ``set_epoch``, so each epoch reads every sample once, in a new
+    order, and the class ``label`` arrives as ``labels``."""
+    transformers = pytest.importorskip("transformers")
+    source = Tokenized(48, longest=10)
+    seen: list[list[int]] = []
+
+    with MmapCachedDataset(cache_path, source) as ds:
+        ds.fill()
+
+        class CacheTrainer(transformers.Trainer):
+            def get_train_dataloader(self) -> Any:
+                return ds.loader(batch_size=self.args.per_device_train_batch_size, shuffle=True, seed=self.args.seed,
+                                 collate_fn=self.data_collator)
+
+            def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+                seen.append(_indices(inputs))
+                assert inputs["labels"].tolist() == [i % 7 for i in seen[-1]]
+                return super().training_step(model, inputs, num_items_in_batch)
+
+        config = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                         intermediate_size=16, vocab_size=48 * 1000, num_labels=7)
+        torch.manual_seed(0)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8,
+                                              num_train_epochs=2, report_to=[], use_cpu=True, save_strategy="no",
+                                              disable_tqdm=True)
+        trainer = CacheTrainer(model=transformers.BertForSequenceClassification(config), args=args,
+                               train_dataset=ds, data_collator=TextCollate(columns=["input_ids", "label"]))
+        assert trainer.train().global_step == 12
+    first, second = ([i for batch in seen[k:k + 6] for i in batch] for k in (0, 6))
+    assert sorted(first) == sorted(second) == list(range(48)) and first != second
+
+
 class _Classes(torch.utils.data.Dataset):
     """What a text classifier trains on, as Hugging Face's datasets give it: ids, a mask, a text and a ``label``."""
 
