@@ -179,6 +179,60 @@ def test_the_mask_is_the_samples_own_and_each_field_pads_to_its_own_longest(cach
         assert batch["labels"].shape[1] == max(len(x["labels"]) for x in samples)
 
 
+@pytest.mark.parametrize("state", ["samples", "warm", "cold"])
+@pytest.mark.parametrize("fields", [None, ["input_ids", "labels"]])
+def test_the_samples_mask_is_padded_with_0_whatever_the_pad_id(cache_path: str, state: str,
+                                                                fields: list[str] | None) -> None:
+    """``pad=`` a tokenizer's pad id (an int: every field's) pads the ids, never the samples' mask: it was padded
+    with the pad id (a mask of 7s, or of 50256s, attends to the padding), and with ``fields`` that left the mask
+    out, it was not padded at all (a list on the cache paths, a stack error over samples)."""
+    source = PrePadded()
+    collate = TextCollate(pad=7, fields=fields)
+    if state == "samples":
+        batches = list(torch.utils.data.DataLoader(source, batch_size=6, collate_fn=collate))
+    else:
+        ds = MmapCachedDataset(cache_path, source, ragged=["labels", "input_ids", "attention_mask"])
+        if state == "warm":
+            ds.fill()
+        batches = list(ds.loader(batch_size=6, collate_fn=collate))
+        ds.close()
+    for k, batch in enumerate(batches):
+        samples = [source[i] for i in range(6 * k, 6 * k + 6)]
+        mask = batch["attention_mask"]
+        assert type(mask) is torch.Tensor and mask.shape == batch["input_ids"].shape
+        for row, x in enumerate(samples):
+            n = len(x["input_ids"])
+            assert torch.equal(mask[row, :n], x["attention_mask"]) and not mask[row, n:].any()
+            assert torch.equal(batch["input_ids"][row, :n], x["input_ids"]) and (batch["input_ids"][row, n:] == 7).all()
+            assert (batch["labels"][row, len(x["labels"]):] == -100).all()
+
+
+@pytest.mark.parametrize("name", ["label", "label_ids"])
+def test_token_and_multi_hot_labels_come_back_as_labels_padded_with_the_ignore_index(cache_path: str,
+                                                                                     name: str) -> None:
+    """A ragged ``label``/``label_ids`` (token labels) is padded with -100, not 0 (a class), and a multi-hot
+    ``label`` (a vector per sample) is left as it is; both come back as ``labels``, which a model takes."""
+    transformers = pytest.importorskip("transformers")
+    tokens = [{"input_ids": torch.arange(1 + i % 4) + 1, name: torch.arange(1 + i % 4) % 3} for i in range(8)]
+    for batch in (TextCollate()(tokens[:4]), _cached_batch(cache_path + "-tokens", tokens)):
+        assert sorted(batch) == ["attention_mask", "input_ids", "labels"]
+        assert batch["labels"].tolist() == [[0, -100, -100, -100], [0, 1, -100, -100], [0, 1, 2, -100], [0, 1, 2, 0]]
+    hot = [{"input_ids": torch.arange(2 + i) + 1, name: [float(i % 2), 1.0, 0.0]} for i in range(8)]
+    for batch in (TextCollate()(hot[:4]), _cached_batch(cache_path + "-hot", hot)):
+        assert batch["labels"].tolist() == [[0.0, 1.0, 0.0], [1.0, 1.0, 0.0]] * 2
+    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16,
+                                     vocab_size=64, num_labels=3, problem_type="multi_label_classification")
+    batch["labels"] = batch["labels"].float()
+    assert torch.isfinite(transformers.BertForSequenceClassification(config)(**batch).loss)
+
+
+def _cached_batch(path: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first batch of 4 of ``samples`` read from a filled cache (straight from its heaps)."""
+    with MmapCachedDataset(path, samples) as ds:
+        ds.fill()
+        return next(iter(ds.loader(batch_size=4, collate_fn=TextCollate())))
+
+
 def test_labels_from_a_field_do_not_replace_the_samples_own() -> None:
     own = [{"input_ids": torch.tensor([5, 6, 7, 8]), "labels": torch.tensor([-100, -100, 7, 8])},
            {"input_ids": torch.tensor([9, 10, 11]), "labels": torch.tensor([-100, 10, 11])}]

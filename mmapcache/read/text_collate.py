@@ -118,10 +118,14 @@ class TextCollate:
         self._kept_plans: dict[int, tuple[list[Any], Any]] = {}  # (see ``_warm_plan``)
 
     def pad_of(self, name: str) -> int:
-        """The value ``name`` is padded with (a ``labels`` field: ``ignore_index`` unless ``pad`` names it)."""
+        """The value ``name`` is padded with, unless ``pad`` names it: the samples' attention mask with 0 (never the
+        pad id: a mask padded with a token id would attend to the padding), a field of labels (``labels``,
+        ``label``, ``label_ids``: token labels) with ``ignore_index`` (0 is a class), any other with ``pad``."""
         if name in self.pads:
             return self.pads[name]
-        return self.ignore_index if name == _LABELS else self.default_pad
+        if name == self.attention_mask:
+            return 0
+        return self.ignore_index if name == _LABELS or name in _CLASS_LABELS else self.default_pad
 
     def _kept(self, names: Any) -> Any:
         """``names`` (the samples' fields, in their order) less those ``columns`` leaves out."""
@@ -185,6 +189,9 @@ class TextCollate:
                 raise ValueError(f"TextCollate(fields=...) names {missing}, which the samples do not have; their "
                                  f"fields are {names}")
             padded = list(self.fields)
+            mask = self.attention_mask
+            if mask in names and mask not in padded and not self._builds(names) and not self.flatten and sequence(mask):
+                padded.append(mask)  # (the samples' mask is the batch's, padded, whatever fields pads besides)
         else:
             padded = [n for n in names if sequence(n)]
         if self.attention_mask in padded and (self._builds(names) or self.flatten):
@@ -238,11 +245,12 @@ class TextCollate:
         return self._renamed(out, values)
 
     def _renamed(self, out: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-        """``out`` with its class label (``label``, else ``label_ids``: not a padded field) as ``labels``, in its
-        place, where ``rename_labels`` and ``out`` has no ``labels``."""
+        """``out`` with its labels (``label``, else ``label_ids``: a class, a multi-hot vector, or token labels
+        padded with ``ignore_index``) as ``labels``, in its place, where ``rename_labels`` and ``out`` has no
+        ``labels``."""
         if not self.rename_labels or _LABELS in out:
             return out
-        key = next((k for k in _CLASS_LABELS if k in out and k not in values), None)
+        key = next((k for k in _CLASS_LABELS if k in out), None)
         if key is None:
             return out
         return {(_LABELS if k == key else k): v for k, v in out.items()}
