@@ -168,22 +168,32 @@ def test_cold_and_partial_caches_compute_store_and_serve_their_misses(shm_dir: s
 
 def test_ragged_fields_mix_with_fixed_ones_and_pad_from_the_heaps(shm_dir: str) -> None:
     """One source's input_ids vary in length (ragged), another's always have 4 (stored at a fixed shape): they mix,
-    and PadCollate pads the batch as it pads one cache's."""
+    and PadCollate pads the batch as it pads one cache's, cold and warm (warm, the fixed source's maps were copied
+    into the batch's fixed arrays, which a ragged field does not have: a TypeError), and without a collate_fn."""
     ragged = MmapCachedDataset(os.path.join(shm_dir, "r"), Texts(30, 1))
     fixed = MmapCachedDataset(os.path.join(shm_dir, "f"), Texts(20, 2, lengths=1), ragged=None)
     assert not fixed._store.layout.fields[0].ragged and ragged._store.layout.fields[0].ragged
     mix = Mixture({"r": ragged, "f": fixed}, seed=2)
     pad = PadCollate(-1, mask=True)
+    everything = sorted([1000 + i for i in range(30)] + [2000 + i for i in range(20)])
+    for state in ("cold", "warm"):
+        seen = []
+        for batch, sources in mix.loader(batch_size=6, collate_fn=pad, return_source=True):
+            assert torch.equal(sources, batch["label"] // STRIDE - 1)
+            padded = batch["input_ids"]
+            for row, (label, length) in enumerate(zip(batch["label"].tolist(), padded.lengths.tolist())):
+                assert length == (1 + ((label % STRIDE) * 7) % (13 if label // STRIDE == 1 else 1))
+                assert (padded.data[row, :length] == label).all() and (padded.data[row, length:] == -1).all()
+                assert padded.mask[row].sum() == length
+            seen += batch["label"].tolist()
+        assert sorted(seen) == everything, state
+    assert ragged.num_cached == 30 and fixed.num_cached == 20
     seen = []
-    for batch, sources in mix.loader(batch_size=6, collate_fn=pad, return_source=True):
-        assert torch.equal(sources, batch["label"] // STRIDE - 1)
-        padded = batch["input_ids"]
-        for row, (label, length) in enumerate(zip(batch["label"].tolist(), padded.lengths.tolist())):
-            assert length == (1 + ((label % STRIDE) * 7) % (13 if label // STRIDE == 1 else 1))
-            assert (padded.data[row, :length] == label).all() and (padded.data[row, length:] == -1).all()
-            assert padded.mask[row].sum() == length
+    for batch in mix.loader(batch_size=6):  # (default collation: the ragged field's values as a list)
+        for label, ids in zip(batch["label"].tolist(), batch["input_ids"]):
+            assert (ids == label).all() and len(ids) == 1 + ((label % STRIDE) * 7) % (13 if label < 2000 else 1)
         seen += batch["label"].tolist()
-    assert sorted(seen) == sorted([1000 + i for i in range(30)] + [2000 + i for i in range(20)])
+    assert sorted(seen) == everything
 
 
 def test_sources_with_transforms_are_read_as_samples(caches: dict[str, str]) -> None:

@@ -233,7 +233,9 @@ class MixedReads(Dataset):
         self._warm: list[tuple[Any, Any, list[np.ndarray]] | None] = []
         for source, fixed in zip(self.sources, self.fixed_here):
             reader, rows = source._ensure_open(), source._rows
-            if reader.ragged or reader.variable or rows.keyed or not all(fixed):
+            # (Not where the batch's layout has a ragged field: a source that stores it fixed, of one shape, is
+            # joined as ragged by its checked gather; the batch has no fixed array to copy it into.)
+            if reader.ragged or reader.variable or rows.keyed or not all(fixed) or any(self.ragged):
                 self._warm.append(None)
                 continue
             identity = rows.total and rows.variants == 1 and rows.slot_index is None
