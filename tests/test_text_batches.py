@@ -83,7 +83,12 @@ def test_columns_name_fields_the_samples_have_and_keep_what_the_collate_pads(cac
     samples = [Tokenized(N)[i] for i in range(4)]
     assert sorted(TextCollate(columns=["input_ids", "attention_mask"], build_mask=False)(samples)) == [
         "attention_mask", "input_ids"]  # (the samples' own mask, padded)
-    assert sorted(TextCollate(columns=["text"], fields=[])(samples)) == ["text"]
+    assert sorted(TextCollate(columns=["text"], fields=[])(samples)) == ["attention_mask", "text"]  # (the mask stays)
+    assert sorted(TextCollate(columns=["text"], fields=[], attention_mask=None)(samples)) == ["text"]
+    padded = [PrePadded()[i] for i in range(4)]  # (a tokenizer's padding: zeros in the mask, which columns keeps)
+    batch = TextCollate(columns=["input_ids"])(padded)
+    assert sorted(batch) == ["attention_mask", "input_ids"]
+    assert batch["attention_mask"].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
     assert sorted(TextCollate(columns=["input_ids"], attention_mask=None)(samples)) == ["input_ids"]
     with MmapCachedDataset(cache_path, Tokenized(N)) as ds:
         with pytest.raises(ValueError, match=r"TextCollate names \['input_idz'\], which the samples do not have"):

@@ -12,12 +12,18 @@ makes that from samples that are dicts of fields:
   (default ``input_ids``): 1 on the tokens, 0 on the padding;
 - ``labels="input_ids"`` also returns that field as ``labels``, padded with ``ignore_index`` (a causal language
   model's labels; masked by length, not by token id: an EOS that is also the pad token stays a label);
-- every other field is collated as ``default_collate`` collates it (``str`` fields: lists); a class ``label`` (or
-  ``label_ids``) comes back as ``labels``, as Hugging Face's collators return it (a model given ``label`` ignores it
-  and returns no loss), unless the batch has ``labels`` already (padded batches: a flattened one's ``labels`` are
-  tokens);
-- ``columns`` keeps only the fields named (what ``model(**batch)`` takes: no ``text`` key a model's ``forward``
-  refuses); the others are never read, so a warm batch neither copies nor decodes them.
+- every other field is collated as ``default_collate`` collates it (``str`` fields: lists); a field of labels
+  (``label`` or ``label_ids``: a class, a multi-hot vector, token labels padded with ``ignore_index``) comes back as
+  ``labels``, as Hugging Face's collators return it (a model given ``label`` ignores it and returns no loss), unless
+  the batch has ``labels`` already (padded batches: a flattened one's ``labels`` are tokens);
+- ``columns`` keeps only the fields named, besides the mask (``attention_mask``/``build_mask`` decide that one): the
+  fields a model takes (a transformers model takes ``**kwargs`` and ignores what it does not know, so a field left
+  in is no error, only work for nothing). A warm batch never reads the others, so neither copies nor decodes them
+  (a cold one gathers every field).
+
+Samples are flat dicts of fields: a field that is itself a dict comes back nested over samples (as
+``default_collate`` collates it) but under its fields' paths (``"meta.src"``) from a cache; leave it out of
+``columns`` (it is then read by neither).
 
 With ``flatten=True`` the batch is padding-free, as Hugging Face's ``DataCollatorWithFlattening`` makes it for
 flash-attention's variable-length kernels: one row of every token of each padded field (``input_ids`` ``(1, T)``),
@@ -73,11 +79,12 @@ class TextCollate:
         pad_to_multiple_of: round each padded length up to a multiple of this (tensor cores like multiples of 8).
         fields: the fields to pad or flatten (default: every 1-D field of numbers).
         columns: the samples' fields the batch holds (default: all), as Hugging Face's ``select_columns``; the others
-            are not read. What the collate makes is added to them: a built mask (a samples' ``attention_mask`` not
-            named is not read, so the mask is built from the lengths: ``attention_mask=None`` for none),
-            ``labels``, and a flattened batch's positions and boundaries.
-        rename_labels: return a ``label`` or ``label_ids`` field that is not padded (a class per sample) as
-            ``labels`` in a padded batch that has no ``labels`` (see the module docstring); False keeps its name.
+            are not read by a warm batch. The mask is not chosen here: the samples' own is kept (it may hold zeros, a
+            tokenizer's padding, which a mask built from the lengths would attend to), unless ``build_mask`` or
+            ``attention_mask=None``. What the collate makes is added: a built mask, ``labels``, a flattened batch's
+            positions and boundaries.
+        rename_labels: return a ``label`` or ``label_ids`` field as ``labels`` in a padded batch that has no
+            ``labels`` (see the module docstring); False keeps its name.
     """
 
     def __init__(self, pad: int | Mapping[str, int] = 0, *, attention_mask: str | None = "attention_mask",
@@ -128,10 +135,10 @@ class TextCollate:
         return self.ignore_index if name == _LABELS or name in _CLASS_LABELS else self.default_pad
 
     def _kept(self, names: Any) -> Any:
-        """``names`` (the samples' fields, in their order) less those ``columns`` leaves out."""
+        """``names`` (the samples' fields, in their order) less those ``columns`` leaves out (not the mask)."""
         if self.columns is None:
             return names
-        kept = [name for name in names if name in self.columns]
+        kept = [name for name in names if name in self.columns or name == self.attention_mask]
         return set(kept) if isinstance(names, (set, frozenset)) else kept
 
     def check_fields(self, paths: set[str]) -> None:

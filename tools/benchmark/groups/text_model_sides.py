@@ -75,13 +75,13 @@ MODEL_COLUMNS = ["input_ids", "label"]
 
 
 class TextTokens(TextDict):
-    """``TextDict`` with ``columns=MODEL_COLUMNS``: the batch a model takes as it is (``input_ids``, the mask made
-    from the lengths, ``labels``), the texts not read."""
+    """``TextDict`` with ``columns=MODEL_COLUMNS`` (and ``build_mask``: the stored mask, all ones, not read): the
+    batch a model takes as it is (``input_ids``, the mask made from the lengths, ``labels``), the texts not read."""
 
-    name, label = "tokens", (f"mmapcache ds.loader(collate_fn=TextCollate(0, columns={MODEL_COLUMNS})): the model's "
-                             "fields only, texts not read")
+    name, label = "tokens", (f"mmapcache ds.loader(collate_fn=TextCollate(0, columns={MODEL_COLUMNS}, build_mask=True))"
+                             ": the model's fields only, texts not read")
 
-    collate: Mapping[str, Any] = {"pad": 0, "columns": MODEL_COLUMNS}
+    collate: Mapping[str, Any] = {"pad": 0, "columns": MODEL_COLUMNS, "build_mask": True}
 
     def canonical(self, batch: Any) -> dict[str, Any]:
         if sorted(batch) != ["attention_mask", "input_ids", "labels"]:
