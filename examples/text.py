@@ -15,7 +15,7 @@ length (30 s against 5 s an epoch on the 2-core development machine), with the s
 
 The cache stores the ids as int32 and the all-ones mask not at all (``store_as``), and hands back int64.
 ``TextCollate(columns=["input_ids"])`` makes the batch a GPT-2 takes as it is: ``input_ids`` padded with the pad
-id, the mask built from the lengths, causal-LM ``labels`` padded with -100 (``flatten=True``: one row of tokens,
+id, the mask padded with 0, causal-LM ``labels`` padded with -100, not the text (``flatten=True``: one row of tokens,
 ``position_ids`` restarting at each document, ``labels`` masked at each document's first token, the boundaries, and
 ``use_cache=False``, without which a model on ``sdpa`` attention lets each document attend to the ones before it).
 ``group_by_length`` batches documents of similar lengths. Each epoch prints the time spent waiting for batches
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     times = []
     for epoch in range(args.epochs):
         loader.sampler.set_epoch(epoch)
-        waited, steps, tokens, losses = 0.0, 0, 0, []
+        waited, steps, losses = 0.0, 0, []
         start = time.perf_counter()
         batches = iter(loader)
         while True:
@@ -157,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             optimizer.zero_grad()
             steps += 1
-            tokens += int((batch["labels"] != -100).sum())
             losses.append(loss.item())
         times.append(waited)
         state = "warm" if epoch > 0 or already == len(ds) else "cold: tokenizing"

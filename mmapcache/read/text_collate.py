@@ -249,9 +249,9 @@ class TextCollate:
         if self.labels is not None:
             located, dtype = values[self.labels]
             out[_LABELS] = _padded(located, self.ignore_index, dtype, widths[self.labels])
-        return self._renamed(out, values)
+        return self._renamed(out)
 
-    def _renamed(self, out: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    def _renamed(self, out: dict[str, Any]) -> dict[str, Any]:
         """``out`` with its labels (``label``, else ``label_ids``: a class, a multi-hot vector, or token labels
         padded with ``ignore_index``) as ``labels``, in its place, where ``rename_labels`` and ``out`` has no
         ``labels``."""
