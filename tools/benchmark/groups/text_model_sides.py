@@ -60,7 +60,7 @@ class TextDict(_TextLoader):
     """``ds.loader(collate_fn=TextCollate(0))``: ``input_ids`` padded with 0, ``attention_mask`` made from the
     lengths (the stored mask is not read), ``label`` stacked (as ``labels``), ``text`` listed."""
 
-    name, label = "dict", "mmapcache ds.loader(collate_fn=TextCollate(0)): dict of plain tensors, mask from lengths"
+    name, label = "dict", "mmapcache ds.loader(collate_fn=TextCollate(0)): dict of plain tensors, the stored mask padded with 0"
 
     collate: Mapping[str, Any] = {"pad": 0}
 
