@@ -57,10 +57,12 @@ class _TextLoader(LoaderReader):
 
 
 class TextDict(_TextLoader):
-    """``ds.loader(collate_fn=TextCollate(0))``: ``input_ids`` padded with 0, ``attention_mask`` made from the
-    lengths (the stored mask is not read), ``label`` stacked (as ``labels``), ``text`` listed."""
+    """``ds.loader(collate_fn=TextCollate(0))``: ``input_ids`` padded with 0, the stored ``attention_mask`` padded
+    with 0 (it may hold a tokenizer's zeros; ``build_mask=True`` would skip it), ``label`` stacked (as ``labels``),
+    ``text`` listed."""
 
-    name, label = "dict", "mmapcache ds.loader(collate_fn=TextCollate(0)): dict of plain tensors, the stored mask padded with 0"
+    name, label = "dict", ("mmapcache ds.loader(collate_fn=TextCollate(0)): dict of plain tensors, the stored mask "
+                           "padded with 0")
 
     collate: Mapping[str, Any] = {"pad": 0}
 
