@@ -395,10 +395,11 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         an initialised process group, torchrun's or SLURM's environment) and ``seed`` (the shuffle's, default this
         dataset's ``seed``). Without a ``sampler``, each rank of a job of any number of processes reads what
         ``DistributedSampler(self, shuffle=shuffle, seed=seed)`` gives it: the order is a function of the seed and
-        the epoch, never of torch's global generator; call ``loader.sampler.set_epoch(epoch)`` (or ``set_epoch``)
-        each epoch, as Lightning does. With a ``generator`` or a ``sampler``, one process yields what
-        ``DataLoader(self, **kwargs)`` yields. Batches are the dataset's own samples collated when there is a
-        ``collate_fn``, a ``transform`` or fields default collation cannot stack. ``state_dict()`` and
+        the epoch, never of torch's global generator; call ``loader.sampler.set_epoch(epoch)`` each epoch, as
+        Lightning does (or ``loader.set_epoch``, as Hugging Face's ``Trainer`` does, or ``set_epoch``). With a
+        ``generator`` or a ``sampler``, one process yields what ``DataLoader(self, **kwargs)`` yields. Batches are
+        the dataset's own samples collated when there is a ``collate_fn``, a ``transform`` or fields default
+        collation cannot stack. ``state_dict()`` and
         ``load_state_dict()`` (torchdata's ``StatefulDataLoader`` protocol, which Lightning saves in its
         checkpoints) resume exactly: see ``mmapcache.read.order``. A stream (``stream=True``) returns its own
         loader, which reads the stream's order and resumes at the rank's cursor.

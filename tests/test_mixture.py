@@ -135,6 +135,9 @@ def test_orders_are_a_function_of_seed_and_epoch(caches: dict[str, str]) -> None
     two.set_epoch(1)
     assert _epoch(one.loader(batch_size=9)) != _epoch(two.loader(batch_size=9))
     assert _epoch(_mix(caches, seed=6).loader(batch_size=9)) != _epoch(two.loader(batch_size=9))
+    loader = one.loader(batch_size=9)
+    loader.set_epoch(1)  # (what Hugging Face's Trainer calls: the mixture's epoch)
+    assert one.epoch == 1 and _epoch(loader) == _epoch(two.loader(batch_size=9))
 
 
 # --- what a batch holds ----------------------------------------------------------------------------------------------

@@ -481,8 +481,9 @@ def test_hugging_faces_trainer_trains_on_the_cache_with_the_collate(cache_path: 
 
 def test_a_trainer_can_read_through_ds_loader_a_new_order_each_epoch(cache_path: str, tmp_path: Any) -> None:
     """``Trainer.get_train_dataloader`` overridden to return ``ds.loader`` (the guide's recipe: batches copied
-    straight from the heaps): ``Trainer`` calls its ``set_epoch``, so each epoch reads every sample once, in a new
-    order, and the class ``label`` arrives as ``labels``."""
+    straight from the heaps): ``Trainer`` calls its ``set_epoch``, so each epoch reads every sample once, in epoch
+    ``e``'s order (what ``set_epoch(e)`` draws in any process, not a pass counted in this one), and the class
+    ``label`` arrives as ``labels``."""
     transformers = pytest.importorskip("transformers")
     source = Tokenized(48, longest=10)
     seen: list[list[int]] = []
@@ -509,6 +510,12 @@ def test_a_trainer_can_read_through_ds_loader_a_new_order_each_epoch(cache_path:
         trainer = CacheTrainer(model=transformers.BertForSequenceClassification(config), args=args,
                                train_dataset=ds, data_collator=TextCollate(columns=["input_ids", "label"]))
         assert trainer.train().global_step == 12
+        loader = ds.loader(batch_size=8, shuffle=True, seed=args.seed, collate_fn=TextCollate(columns=["input_ids"]))
+        expected = []
+        for epoch in (1, 0):  # (the loader's own: a pass drawn for the epoch set, whatever was drawn before)
+            loader.sampler.set_epoch(epoch)
+            expected = [_indices(batch) for batch in loader] + expected
+    assert seen == expected
     first, second = ([i for batch in seen[k:k + 6] for i in batch] for k in (0, 6))
     assert sorted(first) == sorted(second) == list(range(48)) and first != second
 

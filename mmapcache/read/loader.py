@@ -161,6 +161,11 @@ class CacheLoader(DataLoader):
         order.draws_base_seed = True
         return map(self.dataset.__getitem__, order)
 
+    def set_epoch(self, epoch: int) -> None:
+        """``sampler.set_epoch(epoch)``: the next pass reads epoch ``epoch``'s order (Hugging Face's ``Trainer`` calls
+        a loader's ``set_epoch`` each epoch; without it each pass of an epoch draws a new order of its own)."""
+        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+
     # --- resuming ------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -266,6 +266,11 @@ class MixtureLoader(DataLoader):
         torch.empty((), dtype=torch.int64).random_()  # the draw DataLoader's iterator makes for its workers' seed
         return map(self.dataset.__getitem__, self.sampler)
 
+    def set_epoch(self, epoch: int) -> None:
+        """The mixture's ``set_epoch(epoch)``: the next pass reads epoch ``epoch``'s plan (Hugging Face's ``Trainer``
+        calls a loader's ``set_epoch`` each epoch)."""
+        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is (``read.mix_state``): picklable; ``torch.save`` stores it."""
         from .mix_state import save
