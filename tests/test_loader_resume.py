@@ -301,6 +301,29 @@ def test_a_sampler_drawing_from_the_global_generator_resumes_its_interrupted_epo
         assert head + rest == reference[epoch], (epoch, k)
 
 
+@pytest.mark.parametrize("options", [{"shuffle": True}, {"shuffle": True, "generator": "seeded"}, {}])
+def test_after_a_resumed_pass_torchs_random_numbers_go_on_as_the_uninterrupted_runs(cache: MmapCachedDataset,
+                                                                                     options: dict[str, Any]) -> None:
+    """A trainer's checkpoint holds torch's generator as it was when the loader's state was taken, after the pass
+    drew the workers' base seed as it began: the resumed pass draws nothing more, so dropout and augmentations
+    after a resume are the uninterrupted run's (Hugging Face's ``Trainer`` with ``ignore_data_skip=True``)."""
+    def make() -> Any:
+        generator = {"generator": torch.Generator().manual_seed(4)} if "generator" in options else {}
+        return cache.loader(batch_size=4, **{**options, **generator})
+
+    torch.manual_seed(0)
+    loader = make()
+    batches = iter(loader)
+    head = [labels(next(batches)) for _ in range(3)]
+    state, rng = loader.state_dict(), torch.get_rng_state()
+    rest, after = [labels(b) for b in batches], torch.rand(4)
+    torch.manual_seed(1)  # (a new process)
+    again = make()
+    again.load_state_dict(state)
+    torch.set_rng_state(rng)  # (the checkpoint's)
+    assert [labels(b) for b in again] == rest and torch.equal(torch.rand(4), after) and head
+
+
 def test_torchdatas_stateful_distributed_sampler_resumes_in_every_epoch(cache: MmapCachedDataset) -> None:
     # Its state_dict says how far its last pass went ("all of it" at an epoch's start), not what the next draws:
     # loaded as the epoch's start, it made the resumed epoch skip everything (a ValueError from epoch 1 on).

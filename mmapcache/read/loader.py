@@ -125,7 +125,8 @@ class CacheLoader(DataLoader):
 
     Without workers (and without pinning), iterating it skips DataLoader's per-batch machinery (a profiler record
     per batch, a fetcher, the collate indirection): about half the time of a batch of tiny rows. It yields the same
-    batches, after the same random draws (the base seed DataLoader draws from the generator, then the order's).
+    batches, after the same random draws (the base seed DataLoader draws from the generator, then the order's;
+    the rest of a pass resumed from a state draws neither again: its first batches' loader drew them).
 
     ``state_dict()`` and ``load_state_dict()`` follow torchdata's ``StatefulDataLoader`` protocol (PyTorch Lightning
     saves and restores them in its checkpoints): a loader given the state of one interrupted mid-epoch yields the

@@ -263,7 +263,9 @@ class MixtureLoader(DataLoader):
     def _begin(self) -> Iterator[Any]:
         if self.num_workers or self.pin_memory:
             return arena.from_workers(self, super().__iter__) if self.num_workers else super().__iter__()
-        torch.empty((), dtype=torch.int64).random_()  # the draw DataLoader's iterator makes for its workers' seed
+        order: MixtureOrder = self.sampler  # type: ignore[assignment]
+        if order.resume is None or order.resume[0].epoch != order.mixture.epoch:  # (the rest of a pass: drawn then)
+            torch.empty((), dtype=torch.int64).random_()  # the draw DataLoader's iterator makes for its workers' seed
         return map(self.dataset.__getitem__, self.sampler)
 
     def set_epoch(self, epoch: int) -> None:

@@ -222,9 +222,12 @@ class BatchOrder(DistributedSampler):
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         if not self.own:
             self._warn_if_whole()
-        if self.draws_base_seed:
-            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         resume, self.resume = self.resume, None
+        if self.draws_base_seed and not (resume is not None and resume.same_epoch):
+            # (Not for the rest of a pass: the loader that saved it drew as the pass began, before its state and a
+            # trainer's checkpoint of torch's generators were taken, so a resumed run's random numbers go on as the
+            # uninterrupted run's did.)
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         self.sets_seen = self.ds.epoch_sets
         if resume is None:
             start = self.start()
