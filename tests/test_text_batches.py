@@ -666,3 +666,81 @@ def test_long_and_empty_values_read_warm_equal_the_samples_collated(cache_path: 
                                    for a, b in zip(batch[key], expected[key])), (name, order)
                     else:
                         assert same(batch, expected), (name, collate.__dict__, order)
+
+
+class _Narrow(torch.utils.data.Dataset):
+    """Token ids in the dtype a tokenizer of a small vocabulary gives (bytes: uint8), some samples padded by the
+    tokenizer to a fixed length (``padding="max_length"``: pad id 0 and mask 0 after the text)."""
+
+    def __init__(self, dtype: torch.dtype, padded: bool = False) -> None:
+        self.dtype, self.padded = dtype, padded
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        n = 1 + i % 5
+        ids = torch.arange(100 + i, 100 + i + n, dtype=self.dtype)
+        mask = torch.ones(n, dtype=torch.int64)
+        if self.padded:  # (as a tokenizer pads: to 6 tokens, pad id 0)
+            ids = torch.cat([ids, torch.zeros(6 - n, dtype=self.dtype)])
+            mask = torch.cat([mask, torch.zeros(6 - n, dtype=torch.int64)])
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def _every_path(cache_path: str, source: Any, collate: TextCollate) -> list[dict[str, Any]]:
+    """The batch of indices 0..5 over the samples, then through ``ds.loader`` cold and warm, without and with
+    workers: each one's first batch."""
+    out = [collate([source[i] for i in range(6)])]
+    with MmapCachedDataset(cache_path, source) as ds:
+        for workers in (0, 0, 2):
+            out.append(next(iter(ds.loader(batch_size=6, collate_fn=collate, num_workers=workers))))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+@pytest.mark.parametrize("flatten", [False, True])
+def test_labels_made_from_ids_of_any_integer_dtype_are_int64_with_minus_100(cache_path: str, dtype: torch.dtype,
+                                                                             flatten: bool) -> None:
+    """Found by a review: labels kept the ids' dtype. Flattened uint8 ids got 156 (-100 wrapped) at each sample's
+    first token, silently (a byte-level model learned to predict byte 156 there); padded ones refused -100 in this
+    process and wrapped it in a worker; int32 labels made the model's loss fail. Labels are int64, as Hugging Face's
+    collators give them; the ids keep their dtype."""
+    source = _Narrow(dtype)
+    samples = [source[i] for i in range(6)]
+    for batch in _every_path(cache_path, source, TextCollate(labels="input_ids", flatten=flatten)):
+        labels = batch["labels"]
+        assert labels.dtype == torch.int64 and batch["input_ids"].dtype == dtype
+        if flatten:
+            tokens = torch.cat([s["input_ids"] for s in samples]).long()
+            firsts = np.cumsum([0] + [len(s["input_ids"]) for s in samples[:-1]])
+            tokens[torch.from_numpy(firsts)] = -100
+            assert torch.equal(labels[0], tokens)
+        else:
+            assert torch.equal(labels, torch.where(batch["attention_mask"].bool(), batch["input_ids"].long(), -100))
+
+
+def test_labels_of_samples_a_tokenizer_padded_ignore_the_padding(cache_path: str) -> None:
+    """Found by a review: samples padded by the tokenizer (mask 0 over pad ids inside the sample) kept their pad
+    tokens as labels, so the model learned to predict padding (Hugging Face's language-modelling collator ignores
+    them). Where the samples' mask is 0, labels are -100, on every path."""
+    source = _Narrow(torch.int64, padded=True)
+    for batch in _every_path(cache_path, source, TextCollate(labels="input_ids")):
+        mask = batch["attention_mask"]
+        assert mask.shape == (6, 6) and int(mask.sum()) == 1 + 2 + 3 + 4 + 5 + 1
+        assert torch.equal(batch["labels"], torch.where(mask.bool(), batch["input_ids"], -100))
+
+
+def test_a_flattened_batch_carries_no_mask_even_with_attention_mask_none(cache_path: str) -> None:
+    """Found by a review: ``flatten=True, attention_mask=None`` flattened the samples' mask as a field, a (1, T)
+    mask of ones with which a model attends across the samples. A flattened batch has no mask."""
+    for batch in _every_path(cache_path, _Narrow(torch.int64), TextCollate(flatten=True, attention_mask=None)):
+        assert "attention_mask" not in batch and batch["input_ids"].shape == (1, 16)
+
+
+def test_a_pad_value_the_dtype_cannot_hold_is_refused_in_a_worker_too(cache_path: str) -> None:
+    """Found by a review: ``pad=-1`` for uint8 ids raised in this process and wrapped to 255 in a worker."""
+    with MmapCachedDataset(cache_path, _Narrow(torch.uint8)) as ds:
+        for workers in (0, 2):
+            with pytest.raises(OverflowError, match="out of bounds"):
+                next(iter(ds.loader(batch_size=6, collate_fn=TextCollate(pad=-1), num_workers=workers)))

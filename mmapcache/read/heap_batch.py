@@ -301,6 +301,7 @@ def filled(shape: tuple[int, ...], value: Any, dtype: torch.dtype) -> torch.Tens
         out = buffers.bytes(math.prod(shape) * np_dtype.itemsize).view(np_dtype).reshape(shape)
         out.fill(value)
         return torch.from_numpy(out)
+    np.empty(1, _storage(dtype)[1]).fill(value)  # (refuses what does not fit, as numpy's fill above; torch's wraps)
     return arena.tensor(shape, dtype).fill_(value)
 
 

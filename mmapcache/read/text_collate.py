@@ -11,7 +11,10 @@ makes that from samples that are dicts of fields:
   zeros keeps them), or, where the samples have none (or ``build_mask``), built from the lengths of ``mask_from``
   (default ``input_ids``): 1 on the tokens, 0 on the padding;
 - ``labels="input_ids"`` also returns that field as ``labels``, padded with ``ignore_index`` (a causal language
-  model's labels; masked by length, not by token id: an EOS that is also the pad token stays a label);
+  model's labels; masked by length and by the samples' own mask, where a tokenizer padded them, not by token id: an
+  EOS that is also the pad token stays a label). Labels of integers are int64, as Hugging Face's collators return
+  them (losses take int64, and -100 fits no unsigned type), whatever dtype the ids have; so is a padded field of
+  labels;
 - every other field is collated as ``default_collate`` collates it (``str`` fields: lists); a field of labels
   (``label`` or ``label_ids``: a class, a multi-hot vector, token labels padded with ``ignore_index``) comes back as
   ``labels``, as Hugging Face's collators return it (a model given ``label`` ignores it and returns no loss), unless
@@ -29,15 +32,18 @@ With ``flatten=True`` the batch is padding-free, as Hugging Face's ``DataCollato
 flash-attention's variable-length kernels: one row of every token of each padded field (``input_ids`` ``(1, T)``),
 ``position_ids`` restarting at 0 with each sample, ``labels`` with ``ignore_index`` at each sample's first token, the
 non-empty samples' boundaries ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32) and ``max_length_q``/``max_length_k``;
-no attention mask (the boundaries are the mask), and ``use_cache=False``: flash-attention's kernels read the
-boundaries, but with any other attention (``sdpa``, ``eager``: every CPU) a Hugging Face model builds the
-per-sample mask from ``position_ids`` only when it keeps no cache, and otherwise lets each sample attend to the ones
-before it in the row, silently (transformers 5: ``masking_utils``). ``model(**batch)`` thereby passes it.
+no attention mask (the boundaries are the mask; the samples' own is dropped, also with ``attention_mask=None``), and
+``use_cache=False``: flash-attention's kernels read the boundaries, but with any other attention (``sdpa``,
+``eager``: every CPU) a Hugging Face model builds the per-sample mask from ``position_ids`` only when it keeps no
+cache, and otherwise lets each sample attend to the ones before it in the row, silently (transformers 5:
+``masking_utils``). ``model(**batch)`` thereby passes it. Flatten samples as a tokenizer gives them unpadded
+(``padding=False``): a sample's own padding would be tokens of the row.
 
 Over any dataset it works as a ``collate_fn`` (from the samples), every batch with the same keys. Given to
 ``ds.loader()`` (or a mixture's), a warm batch is copied straight from the caches' heaps into the padded (or flat)
 tensors, one copy per token (``read_parts``, ``read.heap_batch``); values stored narrower than the source gave them
-(``store_as``) are widened by that copy. What it pads or flattens comes back in the source's dtype.
+(``store_as``) are widened by that copy. What it pads or flattens comes back in the source's dtype (labels:
+int64).
 """
 
 from __future__ import annotations
@@ -115,7 +121,10 @@ class TextCollate:
             if isinstance(names, str):
                 raise TypeError(f"{name} must be a list of field names, got the str {names!r}; write "
                                 f"{name}=[{names!r}]")
-        self.attention_mask, self.mask_dtype = attention_mask, mask_dtype
+        # A flattened batch has no mask: the samples' own is dropped even with attention_mask=None (flattened as a
+        # field, a (1, T) mask of ones makes a model attend across the samples).
+        self.attention_mask = "attention_mask" if flatten and attention_mask is None else attention_mask
+        self.mask_dtype = mask_dtype
         self.mask_from, self.build_mask = mask_from, bool(build_mask)
         self.labels, self.ignore_index = labels, int(ignore_index)
         self.flatten, self.multiple = bool(flatten), pad_to_multiple_of
@@ -232,24 +241,37 @@ class TextCollate:
         builds = self._builds(names) and self.attention_mask is not None
         if arena.active():  # (a worker's batch: its padded tensors in one shared storage)
             rows = {name: len(located.lengths) * widths[name] for name, (located, _) in values.items()}
-            sizes = [rows[name] * dtype.itemsize for name, (_, dtype) in values.items() if name in names]
+            sizes = [rows[name] * self._served(name, dtype).itemsize for name, (_, dtype) in values.items()
+                     if name in names]
             if builds and source is not None:
                 sizes.append(rows[source] * self.mask_dtype.itemsize)
             if self.labels is not None:
-                sizes.append(rows[self.labels] * values[self.labels][1].itemsize)
+                sizes.append(rows[self.labels] * _label_dtype(values[self.labels][1]).itemsize)
             arena.reserve(sum(sizes), len(sizes))
         for name in names:
             if name in values:
                 located, dtype = values[name]
-                out[name] = _padded(located, self.pad_of(name), dtype, widths[name])
+                out[name] = _padded(located, self.pad_of(name), self._served(name, dtype), widths[name])
             elif name in rest:
                 out[name] = rest[name]
         if builds and source is not None and self.attention_mask is not None:
             out[self.attention_mask] = mask_of(values[source][0].lengths, widths[source], self.mask_dtype)
         if self.labels is not None:
             located, dtype = values[self.labels]
-            out[_LABELS] = _padded(located, self.ignore_index, dtype, widths[self.labels])
+            out[_LABELS] = _padded(located, self.ignore_index, _label_dtype(dtype), widths[self.labels])
+            self._unlabel_padding(out, names, values)
         return self._renamed(out)
+
+    def _unlabel_padding(self, out: dict[str, Any], names: list[str], values: dict[str, Any]) -> None:
+        """``labels`` made from a field: ``ignore_index`` also where the samples' own mask is 0 (samples a tokenizer
+        padded: its pad tokens are no targets, as Hugging Face's language-modelling collator ignores them)."""
+        mask = self.attention_mask
+        if mask is None or mask not in values or self._builds(names) or mask not in out:
+            return
+        held = out[mask]
+        if held.shape != out[_LABELS].shape or int(torch.count_nonzero(held)) == int(values[mask][0].lengths.sum()):
+            return  # (every token of every sample is attended: nothing to mask)
+        out[_LABELS].masked_fill_(held == 0, self.ignore_index)
 
     def _renamed(self, out: dict[str, Any]) -> dict[str, Any]:
         """``out`` with its labels (``label``, else ``label_ids``: a class, a multi-hot vector, or token labels
@@ -261,6 +283,12 @@ class TextCollate:
         if key is None:
             return out
         return {(_LABELS if k == key else k): v for k, v in out.items()}
+
+    def _served(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a padded field comes back in: its own, but int64 for integer labels padded with
+        ``ignore_index`` (a field of labels: -100 does not fit an unsigned type, and losses take int64)."""
+        labels = (name == _LABELS or name in _CLASS_LABELS) and name not in self.pads
+        return _label_dtype(dtype) if labels else dtype
 
     def _width(self, lengths: np.ndarray) -> int:
         width = int(lengths.max()) if len(lengths) else 0
@@ -275,7 +303,7 @@ class TextCollate:
         if arena.active():  # (a worker's batch: its tensors in one shared storage)
             sizes = [dtype.itemsize for name, (_, dtype) in values.items() if name in names] + [8]  # (positions)
             if made is not None:
-                sizes.append(values[made][1].itemsize)
+                sizes.append(_label_dtype(values[made][1]).itemsize)
             arena.reserve(int(lengths.sum()) * sum(sizes), len(sizes))
         for name in names:
             if name in values:
@@ -294,7 +322,9 @@ class TextCollate:
             cu = np.concatenate([cu[:1], cu[1:][lengths > 0]])
         out["position_ids"] = positions(lengths)[None]
         if made is not None:  # no sample's first token predicts across the one before it
-            labels = arena.like(out[made]).copy_(out[made])
+            tokens = out[made]
+            labels = arena.tensor(tuple(tokens.shape), _label_dtype(tokens.dtype)).copy_(tokens) if arena.active() \
+                else tokens.to(_label_dtype(tokens.dtype), copy=True)
             labels[0, torch.from_numpy(cu[:-1].astype(np.int64))] = self.ignore_index
             out[_LABELS] = labels
         longest = int(lengths.max()) if len(lengths) else 0
@@ -443,6 +473,12 @@ def _target(field: Any) -> torch.dtype:
         return getattr(torch, field.torch_dtype)
     return torch.from_numpy(np.zeros(0, field.np_dtype)).dtype
 
+
+
+def _label_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Labels' dtype: int64 for integers of any width (as Hugging Face's collators return them: losses take int64,
+    and -100 fits no unsigned type), a float or complex dtype as it is (soft or multi-hot labels)."""
+    return dtype if dtype.is_floating_point or dtype.is_complex else torch.int64
 
 
 def _located(flat: np.ndarray, lengths: np.ndarray) -> Located:
