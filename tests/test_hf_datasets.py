@@ -103,3 +103,32 @@ def test_a_classifier_trains_on_the_cache_as_on_the_tokenized_dataset(cache_path
         ours = run(ds, held_out, TextCollate(pad=tokenizer.pad_token_id), str(tmp_path / "ours"))
     assert len(theirs[0]) == 24 and ours[0] == theirs[0]
     assert ours[1]["eval_loss"] == theirs[1]["eval_loss"]
+
+
+def test_every_field_a_tokenizer_returns_is_padded_as_its_pad_pads_it(cache_path: str) -> None:
+    """Sentence pairs tokenized with ``token_type_ids`` and ``special_tokens_mask``, and a pad id that is not 0:
+    ``TextCollate(pad=pad_id)`` pads each field as ``DataCollatorWithPadding`` (the tokenizer's ``pad()``) does,
+    over the samples and through ``ds.loader``: token types with 0 (a pad id there is a token type a model may not
+    have), the special-tokens mask with 1."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from mmapcache import TextCollate
+
+    texts = [f"a pair of {('short', 'longer and longer')[i % 2]} sentences, number {i}" for i in range(16)]
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=300, special_tokens=["<s>", "<pad>"], show_progress=False)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="<pad>")
+    assert tokenizer.pad_token_id == 1
+    encoded = datasets.Dataset.from_dict(tokenizer(texts[::2], texts[1::2], return_token_type_ids=True,
+                                                   return_special_tokens_mask=True).data)
+    samples = [encoded.with_format("torch")[i] for i in range(8)]
+    assert {int(t) for s in samples for t in s["token_type_ids"]} == {0, 1}
+    theirs = transformers.DataCollatorWithPadding(tokenizer, return_tensors="pt")(
+        [encoded[i] for i in range(8)])
+    collate = TextCollate(pad=tokenizer.pad_token_id)
+    with MmapCachedDataset(cache_path, encoded.with_format("torch")) as ds:
+        for batch in (collate(samples), next(iter(ds.loader(batch_size=8, collate_fn=collate))),
+                      next(iter(ds.loader(batch_size=8, collate_fn=collate)))):
+            assert sorted(batch) == sorted(theirs)
+            for key in theirs:
+                assert torch.equal(batch[key], theirs[key]), key

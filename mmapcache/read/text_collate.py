@@ -6,7 +6,8 @@ makes that from samples that are dicts of fields:
 
 - every 1-D field of numbers (a tensor, array or list of numbers, whatever its length: ``fields`` chooses others)
   is padded to its own longest value in the batch (rounded up to ``pad_to_multiple_of``), with its own pad value
-  (``pad``; a ``labels`` field with ``ignore_index`` unless ``pad`` names it);
+  (``pad``; a ``labels`` field with ``ignore_index``, ``token_type_ids`` with 0 and ``special_tokens_mask`` with 1,
+  as a tokenizer pads them, unless ``pad`` names them);
 - the attention mask is the samples' own (``attention_mask``, padded with 0: a tokenizer's mask that already holds
   zeros keeps them), or, where the samples have none (or ``build_mask``), built from the lengths of ``mask_from``
   (default ``input_ids``): 1 on the tokens, 0 on the padding;
@@ -62,6 +63,9 @@ __all__ = ["TextCollate"]
 
 _LABELS = "labels"
 _CLASS_LABELS = ("label", "label_ids")  # what Hugging Face's collators return as labels
+# Fields a Hugging Face tokenizer returns besides ids and mask, padded as its ``pad()`` pads them (not with the pad
+# id: a RoBERTa's pad id 1 is no token type of its one).
+_TOKENIZER_PADS = {"token_type_ids": 0, "special_tokens_mask": 1}
 
 
 class TextCollate:
@@ -69,7 +73,8 @@ class TextCollate:
 
     Args:
         pad: the pad value of every padded field, or per field (``{"input_ids": tokenizer.pad_token_id}``; a field
-            not named is padded with 0, a ``labels`` field with ``ignore_index``).
+            not named is padded with 0, a ``labels`` field with ``ignore_index``; ``token_type_ids`` and
+            ``special_tokens_mask`` as a tokenizer pads them, with 0 and 1, unless named here).
         attention_mask: the mask's key: the samples' field of that name, padded with 0, or (where they have none)
             the mask built from ``mask_from``'s lengths; None for no mask (a field of that name is then padded as
             any other). Not returned when flattened.
@@ -136,11 +141,14 @@ class TextCollate:
     def pad_of(self, name: str) -> int:
         """The value ``name`` is padded with, unless ``pad`` names it: the samples' attention mask with 0 (never the
         pad id: a mask padded with a token id would attend to the padding), a field of labels (``labels``,
-        ``label``, ``label_ids``: token labels) with ``ignore_index`` (0 is a class), any other with ``pad``."""
+        ``label``, ``label_ids``: token labels) with ``ignore_index`` (0 is a class), ``token_type_ids`` with 0 and
+        ``special_tokens_mask`` with 1 (as a Hugging Face tokenizer's ``pad()``), any other with ``pad``."""
         if name in self.pads:
             return self.pads[name]
         if name == self.attention_mask:
             return 0
+        if name in _TOKENIZER_PADS:
+            return _TOKENIZER_PADS[name]
         return self.ignore_index if name == _LABELS or name in _CLASS_LABELS else self.default_pad
 
     def _kept(self, names: Any) -> Any:
