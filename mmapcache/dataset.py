@@ -396,10 +396,12 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         dataset's ``seed``). Without a ``sampler``, each rank of a job of any number of processes reads what
         ``DistributedSampler(self, shuffle=shuffle, seed=seed)`` gives it: the order is a function of the seed and
         the epoch, never of torch's global generator; call ``loader.sampler.set_epoch(epoch)`` each epoch, as
-        Lightning does (or ``loader.set_epoch``, as Hugging Face's ``Trainer`` does, or ``set_epoch``). With a
-        ``generator`` or a ``sampler``, one process yields what ``DataLoader(self, **kwargs)`` yields. Batches are
-        the dataset's own samples collated when there is a ``collate_fn``, a ``transform`` or fields default
-        collation cannot stack. ``state_dict()`` and
+        Lightning does (or ``loader.set_epoch``, as Hugging Face's ``Trainer`` does, or ``set_epoch``). A pass
+        after the first since the epoch was last set draws the epoch's next order, so a loop that never sets it
+        still reshuffles; that holds for every loader over this dataset in this process, so two loaders made alike
+        read one order when each is given the epoch before its pass. With a ``generator`` or a ``sampler``, one
+        process yields what ``DataLoader(self, **kwargs)`` yields. Batches are the dataset's own samples collated
+        when there is a ``collate_fn``, a ``transform`` or fields default collation cannot stack. ``state_dict()`` and
         ``load_state_dict()`` (torchdata's ``StatefulDataLoader`` protocol, which Lightning saves in its
         checkpoints) resume exactly: see ``mmapcache.read.order``. A stream (``stream=True``) returns its own
         loader, which reads the stream's order and resumes at the rank's cursor.
