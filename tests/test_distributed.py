@@ -150,3 +150,28 @@ def test_prefill_rejects_bad_ranks(cache_path: str) -> None:
             prefill(ds, rank=0.5, world_size=2)
         with pytest.raises(ValueError, match="patience"):
             prefill(ds, rank=0, world_size=1, patience=-1)
+
+
+@pytest.mark.parametrize("checkpoint", [4, 8])
+def test_a_trainer_of_two_ranks_resumes_ds_loader_where_each_rank_was(cache_path: str, tmp_path,
+                                                                       checkpoint: int) -> None:
+    """Hugging Face's ``Trainer`` under torchrun, reading ``ds.loader`` by the guide's recipe
+    (``helpers.trainer_recipe``): each rank reads its half of every epoch (disjoint, every sample once an epoch), and
+    a job resumed from a checkpoint in the first epoch or in the second (step 4 or 8 of 6 an epoch) reads on each
+    rank the batches that rank read after it in the uninterrupted job, with its losses."""
+    pytest.importorskip("transformers")
+    script = os.path.join(TESTS, "helpers", "trainer_script.py")
+    runs = {}
+    for name, resume in (("whole", []), ("resumed", ["--resume", str(tmp_path / "out" / f"checkpoint-{checkpoint}")])):
+        (tmp_path / name).mkdir()
+        finish(torchrun(["--standalone", "--nproc-per-node=2", script, cache_path, str(tmp_path / "out"),
+                         str(tmp_path / name), *resume], {}))
+        runs[name] = results(str(tmp_path / name))
+    whole, resumed = runs["whole"], runs["resumed"]
+    assert len(whole[0]["seen"]) == len(whole[1]["seen"]) == 12
+    for epoch in range(2):
+        read = [i for r in whole for batch in r["seen"][epoch * 6:epoch * 6 + 6] for i in batch]
+        assert sorted(read) == list(range(48))  # (each rank its half)
+    for before, after in zip(whole, resumed):
+        assert after["seen"] == before["seen"][checkpoint:]
+        assert after["losses"][checkpoint:] == pytest.approx(before["losses"][checkpoint:], rel=1e-5)

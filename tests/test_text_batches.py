@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import trainer_recipe
 from helpers.text_sources import Tokenized, expected_padded, same
 from mmapcache import Mixture, MmapCachedDataset, PadCollate, TextCollate
 
@@ -520,73 +521,25 @@ def test_a_trainer_can_read_through_ds_loader_a_new_order_each_epoch(cache_path:
     assert sorted(first) == sorted(second) == list(range(48)) and first != second
 
 
-def _loader_state_callback(transformers: Any, loader: Any) -> Any:
-    """The guide's ``LoaderState``: each checkpoint holds the loader's place; a resumed run's loader goes back
-    there (``Trainer`` itself skips nothing: ``ignore_data_skip=True``)."""
-
-    class LoaderState(transformers.TrainerCallback):
-        def __init__(self, loader: Any) -> None:
-            self.loader = loader
-
-        def _path(self, args: Any, state: Any) -> str:
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            return os.path.join(args.output_dir, f"checkpoint-{state.global_step}", f"mmapcache-loader-{rank}.pt")
-
-        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            os.makedirs(os.path.dirname(self._path(args, state)), exist_ok=True)
-            torch.save(self.loader.state_dict(), self._path(args, state))
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if state.global_step:  # resumed from a checkpoint
-                self.loader.load_state_dict(torch.load(self._path(args, state), weights_only=False))
-
-    return LoaderState(loader)
-
-
 @pytest.mark.parametrize("checkpoint", [4, 6, 8])
 def test_a_trainer_resumed_from_a_checkpoint_reads_on_where_ds_loader_was(cache_path: str, tmp_path: Any,
                                                                          checkpoint: int) -> None:
-    """The guide's recipe for resuming a ``Trainer`` that reads ``ds.loader``: ``LoaderState`` saves the loader's
-    ``state_dict()`` in each checkpoint and loads it when the run resumes, with ``ignore_data_skip=True``. Resumed
-    from a checkpoint in the middle of the first or the second epoch, or at the first one's end, the run reads the
-    batches the uninterrupted run read after it, in its order; the model's losses match too."""
+    """The guide's recipe for resuming a ``Trainer`` that reads ``ds.loader`` (``helpers.trainer_recipe``):
+    ``LoaderState`` saves the loader's ``state_dict()`` in each checkpoint and loads it when the run resumes, with
+    ``ignore_data_skip=True``. Resumed from a checkpoint in the middle of the first or the second epoch, or at the
+    first one's end, the run reads the batches the uninterrupted run read after it, in its order; the model's losses
+    match too (torch's generator goes on as it did). Two ranks: ``test_distributed.py``."""
     transformers = pytest.importorskip("transformers")
-    source = Tokenized(48, longest=10)
-    runs: dict[str, list[list[int]]] = {}
-
-    with MmapCachedDataset(cache_path, source) as ds:
+    whole: list[list[int]] = []
+    resumed: list[list[int]] = []
+    with MmapCachedDataset(cache_path, Tokenized(48, longest=10)) as ds:
         ds.fill()
-
-        def train(name: str, resume: str | None) -> list[float]:
-            loader = ds.loader(batch_size=8, shuffle=True, seed=42, collate_fn=TextCollate(columns=["input_ids",
-                                                                                                   "label"]))
-            seen = runs.setdefault(name, [])
-
-            class CacheTrainer(transformers.Trainer):
-                def get_train_dataloader(self) -> Any:
-                    return loader
-
-                def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-                    seen.append(_indices(inputs))
-                    return super().training_step(model, inputs, num_items_in_batch)
-
-            config = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
-                                             intermediate_size=16, vocab_size=48 * 1000, num_labels=7)
-            torch.manual_seed(0)
-            args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8,
-                                                  num_train_epochs=2, report_to=[], use_cpu=True, save_steps=2,
-                                                  logging_steps=1, disable_tqdm=True, ignore_data_skip=True)
-            trainer = CacheTrainer(model=transformers.BertForSequenceClassification(config), args=args,
-                                   train_dataset=ds, data_collator=loader.dataset.pad,
-                                   callbacks=[_loader_state_callback(transformers, loader)])
-            assert trainer.train(resume_from_checkpoint=resume).global_step == 12
-            return [log["loss"] for log in trainer.state.log_history if "loss" in log]
-
-        whole = train("whole", None)
-        resumed = train("resumed", str(tmp_path / f"checkpoint-{checkpoint}"))
-    assert len(runs["whole"]) == 12 and runs["resumed"] == runs["whole"][checkpoint:]
-    assert len(resumed) == 12 and resumed[checkpoint:] == pytest.approx(whole[checkpoint:], rel=1e-5)  # (the
-    # resumed run's history begins with the checkpoint's)
+        losses = trainer_recipe.train(transformers, ds, str(tmp_path), None, whole)
+        again = trainer_recipe.train(transformers, ds, str(tmp_path), str(tmp_path / f"checkpoint-{checkpoint}"),
+                                     resumed)
+    assert len(whole) == 12 and resumed == whole[checkpoint:]
+    # (the resumed run's history begins with the checkpoint's)
+    assert len(again) == 12 and again[checkpoint:] == pytest.approx(losses[checkpoint:], rel=1e-5)
 
 
 class _Classes(torch.utils.data.Dataset):
