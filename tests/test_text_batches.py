@@ -697,3 +697,54 @@ def test_a_pad_value_the_dtype_cannot_hold_is_refused_in_a_worker_too(cache_path
         for workers in (0, 2):
             with pytest.raises(OverflowError, match="out of bounds"):
                 next(iter(ds.loader(batch_size=6, collate_fn=TextCollate(pad=-1), num_workers=workers)))
+
+
+class _WithMeta(torch.utils.data.Dataset):
+    """Token ids beside a nested dict of metadata (a source's name, a number, a pair), as HF datasets' nested
+    features give them."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": torch.arange(i * 1000, i * 1000 + 1 + i % 4),
+                "meta": {"source": f"doc{i}", "n": i, "span": (i, 2 * i)}, "label": i % 3}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("options", [{}, {"columns": ["input_ids", "meta"]}, {"columns": ["input_ids"]},
+                                     {"flatten": True}, {"labels": "input_ids", "pad": {"input_ids": 7}}])
+def test_a_nested_field_comes_back_under_its_key_from_a_cache_as_over_the_samples(cache_path: str,
+                                                                                  options: dict[str, Any]) -> None:
+    """Found by a review: from a cache, a nested dict's fields came back under their paths (``batch["meta.source"]``),
+    over the samples under their key (``batch["meta"]["source"]``), so code written against one raised a KeyError
+    on the other. Every path gives the samples' form, keys in the samples' order; ``columns`` names the key."""
+    source = _WithMeta()
+    collate = TextCollate(**options)
+    batches = _every_path(cache_path, source, collate)
+    assert "meta" in batches[0] or options.get("columns") == ["input_ids"]
+    for batch in batches[1:]:
+        assert _equal(batch, batches[0]), (list(batch), list(batches[0]))
+
+
+def test_a_mixtures_batches_nest_a_nested_field_under_its_key(cache_path: str) -> None:
+    """The same through a mixture of two caches, cold (the checked path) and warm: ``batch["meta"]`` holds each
+    row's own metadata."""
+    with MmapCachedDataset(cache_path, _WithMeta()) as one, MmapCachedDataset(cache_path + "-2", _WithMeta()) as two:
+        loader = Mixture({"one": one, "two": two}, seed=1).loader(batch_size=6, collate_fn=TextCollate())
+        for _ in range(2):
+            for batch in loader:
+                rows = [int(row[0]) // 1000 for row in batch["input_ids"]]
+                assert list(batch) == ["input_ids", "meta", "labels", "attention_mask"]
+                assert batch["meta"]["source"] == [f"doc{i}" for i in rows]
+                assert batch["meta"]["n"].tolist() == rows
+                assert [t.tolist() for t in batch["meta"]["span"]] == [rows, [2 * i for i in rows]]
