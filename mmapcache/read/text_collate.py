@@ -56,9 +56,9 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from ..format.tree import fold
 from . import arena
 from .heap_batch import Located, WarmRows, bits_of, flat_tensor, mask_of, padded_tensor, positions
+from .nested import nested
 
 __all__ = ["TextCollate"]
 
@@ -369,7 +369,7 @@ class TextCollate:
                 return None
             rest[name] = value
         batch = self._assemble(names, values, rest)
-        return _nested(warm.reader, batch) if warm.unchanged() else None
+        return nested(warm.reader, batch) if warm.unchanged() else None
 
     def _warm_plan(self, fields: list[Any]) -> tuple[list[str], list[tuple[str, int, torch.dtype]] | None,
                                                       list[tuple[str, int]]]:
@@ -422,7 +422,7 @@ class TextCollate:
                 rest[field.name] = reader._splitters[k](columns[k])
             else:
                 rest[field.name] = reader._batch_converters[k](columns[k])
-        return _nested(reader, self._assemble(names, values, rest))
+        return nested(reader, self._assemble(names, values, rest))
 
 
 def _is_int(value: Any) -> bool:
@@ -484,83 +484,6 @@ def _target(field: Any) -> torch.dtype:
         return getattr(torch, field.torch_dtype)
     return torch.from_numpy(np.zeros(0, field.np_dtype)).dtype
 
-
-
-def _nested(reader: Any, batch: dict[str, Any]) -> dict[str, Any]:
-    """A cache's batch with the fields of a sample's nested dicts and sequences under their key, as over the samples
-    (``{"meta": {"src": [...], "n": tensor}}``, not ``"meta.src"``), in the key's place."""
-    groups = _groups(reader)
-    if not groups:
-        return batch
-    out: dict[str, Any] = {}
-    for name, value in batch.items():
-        group = groups.get(name)
-        if group is None:
-            out[name] = value
-        elif group[0] not in out:
-            out[group[0]] = group[1]({n: batch[n] for n in group[2] if n in batch})
-    return out
-
-
-_kept_groups: dict[int, tuple[Any, dict[str, Any]]] = {}
-
-
-def _groups(reader: Any) -> dict[str, Any]:
-    """Per field under a nested key of the samples: ``(key, build, its fields' names)``, ``build`` making the key's
-    value from those fields' batched values by name; kept per layout."""
-    layout = reader.store.layout
-    kept = _kept_groups.get(id(layout))
-    if kept is not None and kept[0] is layout:
-        return kept[1]
-    groups: dict[str, Any] = {}
-    names = [field.name for field in reader.fields]
-    for key, node in layout.structure.get("dict", []):
-        if "leaf" not in node:
-            tree = _tree(node, names)
-            leaves = _leaves(tree)
-            group = (key, lambda values, tree=tree: _built(tree, values), leaves)
-            groups.update((name, group) for name in leaves)
-    if len(_kept_groups) > 16:
-        _kept_groups.clear()
-    _kept_groups[id(layout)] = (layout, groups)
-    return groups
-
-
-def _tree(node: Any, names: list[str]) -> Any:
-    """A structure node with its leaves' field names: a name, a list (a tuple, list or namedtuple: collated as a
-    list, as ``default_collate`` collates a tuple) or a dict."""
-    def leaf(n: int) -> Any:
-        return names[n]
-
-    def sequence(kind: str, parts: list[Any], children: list[Any]) -> Any:
-        return parts
-
-    def mapping(keys: list[str], parts: list[Any], children: list[Any]) -> Any:
-        return dict(zip(keys, parts))
-
-    def record(spec: Any, parts: list[Any], children: list[Any]) -> Any:
-        return parts
-
-    return fold(node, leaf=leaf, sequence=sequence, mapping=mapping, record=record)
-
-
-def _leaves(tree: Any) -> list[str]:
-    if isinstance(tree, str):
-        return [tree]
-    return [name for part in (tree.values() if isinstance(tree, dict) else tree) for name in _leaves(part)]
-
-
-def _built(tree: Any, values: dict[str, Any]) -> Any:
-    """A nested key's value from its fields' batched values (the fields a batch left out are left out of it)."""
-    if isinstance(tree, str):
-        return values.get(tree, _ABSENT)
-    if isinstance(tree, dict):
-        built = {key: _built(part, values) for key, part in tree.items()}
-        return {key: value for key, value in built.items() if value is not _ABSENT}
-    return [value for value in (_built(part, values) for part in tree) if value is not _ABSENT]
-
-
-_ABSENT = object()
 
 
 def _label_dtype(dtype: torch.dtype) -> torch.dtype:
