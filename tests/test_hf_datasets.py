@@ -125,10 +125,28 @@ def test_every_field_a_tokenizer_returns_is_padded_as_its_pad_pads_it(cache_path
     assert {int(t) for s in samples for t in s["token_type_ids"]} == {0, 1}
     theirs = transformers.DataCollatorWithPadding(tokenizer, return_tensors="pt")(
         [encoded[i] for i in range(8)])
-    collate = TextCollate(pad=tokenizer.pad_token_id)
+    collate = TextCollate(pad=tokenizer)  # (its pad id, as HF's collators take the tokenizer)
     with MmapCachedDataset(cache_path, encoded.with_format("torch")) as ds:
         for batch in (collate(samples), next(iter(ds.loader(batch_size=8, collate_fn=collate))),
                       next(iter(ds.loader(batch_size=8, collate_fn=collate)))):
             assert sorted(batch) == sorted(theirs)
             for key in theirs:
                 assert torch.equal(batch[key], theirs[key]), key
+
+
+def test_a_tokenizer_given_as_pad_must_have_a_pad_token_and_pad_on_the_right() -> None:
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from mmapcache import TextCollate
+
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["some text to train on"] * 4, vocab_size=280, special_tokens=["<pad>"],
+                            show_progress=False)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    with pytest.raises(ValueError, match="the tokenizer has no pad token; give it one"):
+        TextCollate(pad=tokenizer)
+    tokenizer.pad_token = "<pad>"
+    assert TextCollate(pad=tokenizer).default_pad == tokenizer.pad_token_id == 0
+    tokenizer.padding_side = "left"
+    with pytest.raises(ValueError, match="pads on the left"):
+        TextCollate(pad=tokenizer)

@@ -373,7 +373,7 @@ def test_a_mixture_and_a_stream_pad_as_a_cache_does(shm_dir: str) -> None:
 
 
 def test_bad_arguments_are_refused_naming_the_fix(cache_path: str) -> None:
-    with pytest.raises(TypeError, match="pad must be an int or a dict"):
+    with pytest.raises(TypeError, match="pad must be an int, a dict of field name -> int or a tokenizer, got str"):
         TextCollate("zero")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"fields must be a list of field names, got the str 'input_ids'"):
         TextCollate(fields="input_ids")  # type: ignore[arg-type]
@@ -540,6 +540,22 @@ def test_a_trainer_resumed_from_a_checkpoint_reads_on_where_ds_loader_was(cache_
     assert len(whole) == 12 and resumed == whole[checkpoint:]
     # (the resumed run's history begins with the checkpoint's)
     assert len(again) == 12 and again[checkpoint:] == pytest.approx(losses[checkpoint:], rel=1e-5)
+
+
+def test_a_resume_the_loader_state_cannot_make_exact_is_refused_naming_the_fix(cache_path: str, tmp_path: Any) -> None:
+    """Without ``ignore_data_skip=True``, ``Trainer`` failed deep in accelerate (``'NoneType' object is not
+    iterable``, a new user's report); from a checkpoint saved without ``LoaderState``, the epoch would start over.
+    Both are refused as the run resumes, naming the fix."""
+    transformers = pytest.importorskip("transformers")
+    with MmapCachedDataset(cache_path, Tokenized(48, longest=10)) as ds:
+        ds.fill()
+        trainer_recipe.train(transformers, ds, str(tmp_path), None, [])
+        with pytest.raises(ValueError, match="ignore_data_skip=True"):
+            trainer_recipe.train(transformers, ds, str(tmp_path), str(tmp_path / "checkpoint-4"), [],
+                                 ignore_data_skip=False)
+        os.remove(tmp_path / "checkpoint-6" / "mmapcache-loader-0.pt")
+        with pytest.raises(ValueError, match="saved without LoaderState"):
+            trainer_recipe.train(transformers, ds, str(tmp_path), str(tmp_path / "checkpoint-6"), [])
 
 
 class _Classes(torch.utils.data.Dataset):

@@ -73,7 +73,8 @@ class TextCollate:
     """A ``collate_fn`` for token batches (see the module docstring).
 
     Args:
-        pad: the pad value of every padded field, or per field (``{"input_ids": tokenizer.pad_token_id}``; a field
+        pad: the pad value of every padded field, a tokenizer (its ``pad_token_id``, as Hugging Face's collators
+            take one; it must pad on the right), or per field (``{"input_ids": tokenizer.pad_token_id}``; a field
             not named is padded with 0, a ``labels`` field with ``ignore_index``; ``token_type_ids`` and
             ``special_tokens_mask`` as a tokenizer pads them, with 0 and 1, unless named here).
         attention_mask: the mask's key: the samples' field of that name, padded with 0, or (where they have none)
@@ -104,6 +105,7 @@ class TextCollate:
                  labels: str | None = None, ignore_index: int = -100, flatten: bool = False,
                  pad_to_multiple_of: int | None = None, fields: Iterable[str] | None = None,
                  columns: Iterable[str] | None = None, rename_labels: bool = True) -> None:
+        pad = _pad_of_tokenizer(pad)
         if isinstance(pad, Mapping):
             if not all(isinstance(k, str) and _is_int(v) for k, v in pad.items()):
                 raise TypeError(f"pad must be an int or a dict of field name -> int, got {dict(pad)!r}")
@@ -112,7 +114,8 @@ class TextCollate:
         elif _is_int(pad):
             self.pads, self.default_pad = {}, int(pad)
         else:
-            raise TypeError(f"pad must be an int or a dict of field name -> int, got {pad!r}")
+            raise TypeError(f"pad must be an int, a dict of field name -> int or a tokenizer, got "
+                            f"{type(pad).__name__}")
         for name, value in (("attention_mask", attention_mask), ("mask_from", mask_from), ("labels", labels)):
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a field name (str) or None, got {value!r}")
@@ -484,6 +487,21 @@ def _target(field: Any) -> torch.dtype:
         return getattr(torch, field.torch_dtype)
     return torch.from_numpy(np.zeros(0, field.np_dtype)).dtype
 
+
+
+def _pad_of_tokenizer(pad: Any) -> Any:
+    """``pad``, or a Hugging Face tokenizer's pad id where ``pad`` is one (checked: it has a pad token, and pads on
+    the right, the side ``TextCollate`` pads)."""
+    if isinstance(pad, Mapping) or _is_int(pad) or not hasattr(pad, "pad_token_id"):
+        return pad
+    if pad.pad_token_id is None:
+        raise ValueError("TextCollate(pad=tokenizer): the tokenizer has no pad token; give it one "
+                         "(tokenizer.pad_token = tokenizer.eos_token, as for GPT-2) or pass pad=<an id>")
+    if getattr(pad, "padding_side", "right") != "right":
+        raise ValueError(f"TextCollate(pad=tokenizer): the tokenizer pads on the {pad.padding_side} (as for "
+                         "generation), TextCollate on the right, as training batches are padded; pass "
+                         "pad=tokenizer.pad_token_id to pad on the right")
+    return int(pad.pad_token_id)
 
 
 def _label_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,11 +1,10 @@
 """The guide's recipe for Hugging Face's ``Trainer`` reading ``ds.loader``, as the tests run it: ``CacheTrainer``
-returns the loader from ``get_train_dataloader`` and records each batch's sample indices; ``LoaderState`` saves the
-loader's ``state_dict()`` in each checkpoint (a file per rank) and loads it when a run resumes, with
+returns the loader from ``get_train_dataloader`` and records each batch's sample indices; ``mmapcache.hf.LoaderState``
+saves the loader's ``state_dict()`` in each checkpoint (a file per rank) and loads it when a run resumes, with
 ``ignore_data_skip=True``."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -18,30 +17,8 @@ def indices(batch: dict[str, Any]) -> list[int]:
     return [int(row[0]) // 1000 for row in batch["input_ids"]]
 
 
-def loader_state(transformers: Any, loader: Any) -> Any:
-    """The guide's ``LoaderState`` callback over ``loader``."""
-
-    class LoaderState(transformers.TrainerCallback):
-        def __init__(self, loader: Any) -> None:
-            self.loader = loader
-
-        def _path(self, args: Any, state: Any) -> str:
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            return os.path.join(args.output_dir, f"checkpoint-{state.global_step}", f"mmapcache-loader-{rank}.pt")
-
-        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            os.makedirs(os.path.dirname(self._path(args, state)), exist_ok=True)
-            torch.save(self.loader.state_dict(), self._path(args, state))
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if state.global_step:  # resumed from a checkpoint
-                self.loader.load_state_dict(torch.load(self._path(args, state), weights_only=False))
-
-    return LoaderState(loader)
-
-
 def train(transformers: Any, ds: Any, out: str, resume: str | None, seen: list[list[int]],
-          batch_size: int = 8) -> list[float]:
+          batch_size: int = 8, ignore_data_skip: bool = True) -> list[float]:
     """Two epochs of a tiny BERT classifier over ``ds`` (a ``Tokenized`` cache) through ``ds.loader``, a checkpoint
     every 2 steps in ``out``, resumed from ``resume`` if given; appends each batch's indices to ``seen`` and returns
     the losses logged (a resumed run's begin with the checkpoint's)."""
@@ -61,8 +38,10 @@ def train(transformers: Any, ds: Any, out: str, resume: str | None, seen: list[l
     torch.manual_seed(0)
     args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=batch_size, num_train_epochs=2,
                                           report_to=[], use_cpu=True, save_steps=2, logging_steps=1,
-                                          disable_tqdm=True, ignore_data_skip=True)
+                                          disable_tqdm=True, ignore_data_skip=ignore_data_skip)
+    from mmapcache.hf import LoaderState
+
     trainer = CacheTrainer(model=transformers.BertForSequenceClassification(config), args=args, train_dataset=ds,
-                           data_collator=loader.dataset.pad, callbacks=[loader_state(transformers, loader)])
+                           data_collator=loader.dataset.pad, callbacks=[LoaderState(loader)])
     trainer.train(resume_from_checkpoint=resume)
     return [log["loss"] for log in trainer.state.log_history if "loss" in log]
