@@ -20,8 +20,7 @@ from helpers.mix_sources import STRIDE, Rows, Texts, ids_of, rows_intact
 from helpers.processes import another_process, collect, join_all, running
 from helpers.stream_sources import Fresh
 from mmapcache import LayoutError, Mixture, MmapCachedDataset, PadCollate, UsageError
-from mmapcache.read.mix_loader import MixPass
-from mmapcache.read.mix_order import plan
+from mmapcache.read.mix_order import MixPass, plan
 
 SIZES = {"a": 60, "b": 25, "c": 7}
 TAGS = {"a": 1, "b": 2, "c": 3}

@@ -23,7 +23,7 @@ from ..format.layout import JSON, TEXT_KINDS
 from . import arena
 from .gather import buffers, in_dataloader_worker
 from .heap_batch import WarmRows, mask_of, padded_tensor
-from .ragged import torch_target
+from .ragged import RAGGED_MARK, torch_target
 
 __all__ = ["PadCollate", "Padded"]
 
@@ -307,7 +307,6 @@ def _element_size(dtype: torch.dtype) -> int:
 # (marked as such) are returned as a list, as ``ds.loader`` returns them, where ``torch.stack`` would fail.
 
 _VIEWS = "_mmapcache_views"  # on a batch tensor: the ids of the row views split_rows handed out
-_RAGGED = "_mmapcache_ragged"  # on a ragged field's value
 
 
 def split_rows(batch: torch.Tensor) -> list[torch.Tensor]:
@@ -322,21 +321,13 @@ def _root(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor._base is None else tensor._base
 
 
-def mark_ragged(flat: torch.Tensor, parts: list[Any]) -> list[Any]:
-    """Marks a ragged field's values (views of ``flat``, or tensors computed for misses) so that
-    ``default_collate`` returns them as a list."""
-    for part in parts:
-        setattr(part, _RAGGED, True)
-    return parts
-
-
 def _collate_tensors(batch: Any, *, collate_fn_map: Any = None) -> Any:
     first = batch[0]
     base = first._base
     views = getattr(base, _VIEWS, None) if base is not None else None
     if views is not None and len(views) == len(batch) and tuple(map(id, batch)) == views:
         return base if base.shape[0] == len(batch) else base.view(len(batch), *first.shape)
-    if getattr(first, _RAGGED, False) and all(getattr(t, _RAGGED, False) for t in batch):
+    if getattr(first, RAGGED_MARK, False) and all(getattr(t, RAGGED_MARK, False) for t in batch):
         return list(batch)
     return _stack(batch, collate_fn_map=collate_fn_map)
 

@@ -14,7 +14,6 @@ split across the nodes, within one sample), every rank of every node the job's n
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -27,7 +26,8 @@ from ..store.share import Share, job_rank_and_size, local_rank_and_size
 from . import arena
 from .epoch_split import block_spans
 from .loader import _Pass
-from .mix_order import EpochPlan, grouped, plan
+from .mix_order import EpochPlan, MixPass, grouped, plan
+from .mix_state import load, save
 
 __all__ = ["MixPass", "MixtureLoader", "MixtureOrder", "node_counts"]
 
@@ -56,17 +56,6 @@ class _Mixture(Protocol):
     def setting(self) -> dict[str, Any]: ...
 
     def restore_setting(self, setting: Any) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class MixPass:
-    """What a pass's order is drawn from: the epoch, its pass (an epoch read again), each source's count, and the
-    units it is composed in (the batch size it was drawn for: ``read.mix_order``)."""
-
-    epoch: int
-    repeat: int
-    counts: tuple[int, ...]
-    unit: int
 
 
 def node_counts(counts: Sequence[int], nodes: int) -> np.ndarray:
@@ -275,8 +264,6 @@ class MixtureLoader(DataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is (``read.mix_state``): picklable; ``torch.save`` stores it."""
-        from .mix_state import save
-
         return save(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -287,6 +274,4 @@ class MixtureLoader(DataLoader):
             ValueError: not a mixture loader's state, a state of another mixture (sources, their lengths or
                 fingerprints, seed, per-batch composition), or a value no loader saves.
         """
-        from .mix_state import load
-
         load(self, state)

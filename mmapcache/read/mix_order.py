@@ -23,15 +23,27 @@ before it, so one int64 array is the epoch's order, which ``read.epoch_split`` c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["EpochPlan", "apportion", "draw", "grouped", "plan", "source_of"]
+__all__ = ["EpochPlan", "MixPass", "apportion", "draw", "grouped", "plan", "source_of"]
 
 # Streams of the seed sequence, one per use (a draw of source s, the compositions).
 _DRAW, _MIX = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MixPass:
+    """What a pass's order is drawn from: the epoch, its pass (an epoch read again), each source's count, and the
+    units it is composed in (the batch size it was drawn for)."""
+
+    epoch: int
+    repeat: int
+    counts: tuple[int, ...]
+    unit: int
 
 
 def apportion(weights: Sequence[float], total: int) -> np.ndarray:

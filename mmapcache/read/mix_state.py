@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .mix_loader import MixPass, MixtureLoader, MixtureOrder
+from .mix_order import MixPass
 
 __all__ = ["STATE_FORMAT", "load", "save"]
 
@@ -32,7 +32,7 @@ STATE_FORMAT = "mmapcache.mixture/1"
 _ELASTIC = {"batch_size", "world_size"}  # what a state of a mixture of full caches may have otherwise
 
 
-def identity(order: MixtureOrder) -> dict[str, Any]:
+def identity(order: Any) -> dict[str, Any]:
     """What a state must match: the mixture (its sources, seed, composition) and the loader's batching."""
     m = order.mixture
     return {"format": STATE_FORMAT, "sources": m.identities, "seed": m.seed, "per_batch": m.per_batch,
@@ -40,9 +40,10 @@ def identity(order: MixtureOrder) -> dict[str, Any]:
             "world_size": order.num_replicas}
 
 
-def save(loader: MixtureLoader) -> dict[str, Any]:
-    """``MixtureLoader.state_dict`` (see the module docstring)."""
-    order: MixtureOrder = loader.sampler  # type: ignore[assignment]
+def save(loader: Any) -> dict[str, Any]:
+    """``MixtureLoader.state_dict`` (see the module docstring; ``read.mix_loader`` imports this module, so its
+    loader and its order, a ``MixtureOrder``, are not named in annotations here)."""
+    order = loader.sampler
     if loader.num_workers and not getattr(loader, "in_order", True):
         raise ValueError("a mixture's loader(in_order=False) with workers hands batches to the training loop out of "
                          "order, so no state can say which of an epoch's batches were trained on; pass in_order=True "
@@ -64,9 +65,9 @@ def save(loader: MixtureLoader) -> dict[str, Any]:
     return state
 
 
-def load(loader: MixtureLoader, state: Any) -> None:
+def load(loader: Any, state: Any) -> None:
     """``MixtureLoader.load_state_dict`` (see the module docstring)."""
-    order: MixtureOrder = loader.sampler  # type: ignore[assignment]
+    order = loader.sampler
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise ValueError(f"not a state of a mixture's loader (format {STATE_FORMAT!r}); pass what its state_dict() "
                          "returned")

@@ -21,8 +21,10 @@ from ..format.codec import leaf_converter
 from ..format.layout import BYTES, STR, TENSOR, TEXT_ERRORS, TEXT_KINDS, Field
 from ..store.heap import Heap
 
-__all__ = ["RaggedColumn", "Torn", "gather_ragged", "ragged_reader", "ragged_splitter", "str_reader",
+__all__ = ["RAGGED_MARK", "RaggedColumn", "Torn", "gather_ragged", "ragged_reader", "ragged_splitter", "str_reader",
            "torch_target"]
+
+RAGGED_MARK = "_mmapcache_ragged"  # on a ragged field's tensor values: default_collate lists them (read.collate)
 
 
 def _words(index: np.ndarray) -> memoryview:
@@ -256,8 +258,6 @@ def ragged_splitter(field: Field, path: str = "PATH") -> Callable[[RaggedColumn]
     if field.kind == TENSOR:
         import torch
 
-        from .collate import mark_ragged
-
         target = torch_target(field)
 
         def split_tensors(column: RaggedColumn) -> list[Any]:
@@ -269,6 +269,8 @@ def ragged_splitter(field: Field, path: str = "PATH") -> Callable[[RaggedColumn]
                 parts = [p.view(shape) for p, shape in zip(parts, column.shapes.tolist())]
             for position, value in column.patches.items():
                 parts[position] = convert(value)
-            return mark_ragged(flat, parts)
+            for part in parts:  # (default_collate returns them as a list: read.collate)
+                setattr(part, RAGGED_MARK, True)
+            return parts
         return split_tensors
     return lambda column: [convert(p) for p in column.parts()]

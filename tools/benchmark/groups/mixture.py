@@ -24,7 +24,7 @@ from benchmark.core import Comparison, Config, Results, Side, info, interleave
 from benchmark.epochs import epoch
 from benchmark.workloads import workspace
 from mmapcache import Mixture, MmapCachedDataset, PadCollate
-from mmapcache.read.mix_loader import MixPass
+from mmapcache.read.mix_order import MixPass
 
 NAMES = ("a", "b", "c")
 SHARES = (4, 2, 1)  # the caches' sizes, in sevenths of the rows
