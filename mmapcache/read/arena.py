@@ -117,9 +117,11 @@ def tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return empty.set_(place[0], place[1] // size, shape, strides[::-1])
 
 
-def like(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialised tensor of ``t``'s shape and dtype: ``tensor``'s in a worker's batch, else private."""
-    return tensor(tuple(t.shape), t.dtype) if _arena.depth else torch.empty_like(t)
+def like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised tensor of ``t``'s shape and dtype (or ``dtype``): ``tensor``'s in a worker's batch, else
+    private."""
+    dtype = t.dtype if dtype is None else dtype
+    return tensor(tuple(t.shape), dtype) if _arena.depth else torch.empty_like(t, dtype=dtype)
 
 
 def read(pool: Lending | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -337,8 +337,7 @@ class TextCollate:
         out["position_ids"] = positions(lengths)[None]
         if made is not None:  # no sample's first token predicts across the one before it
             tokens = out[made]
-            labels = arena.tensor(tuple(tokens.shape), _label_dtype(tokens.dtype)).copy_(tokens) if arena.active() \
-                else tokens.to(_label_dtype(tokens.dtype), copy=True)
+            labels = arena.like(tokens, _label_dtype(tokens.dtype)).copy_(tokens)
             labels[0, torch.from_numpy(cu[:-1].astype(np.int64))] = self.ignore_index
             out[_LABELS] = labels
         longest = int(lengths.max()) if len(lengths) else 0
