@@ -30,8 +30,8 @@ _SLOTS = 6  # (read.lending's: storages per worker)
 
 
 def _inode(t: torch.Tensor) -> int:
-    """The shared-memory file under ``t`` (the same for a storage mapped again, unlike its address)."""
-    return os.fstat(t.untyped_storage()._share_fd_cpu_()[0]).st_ino
+    """The worker's storage under ``t``: its address here (the main process maps each pool storage once)."""
+    return t.untyped_storage().data_ptr()
 
 
 def _biggest(batch: Any) -> torch.Tensor:
@@ -204,6 +204,61 @@ def test_a_batch_sent_on_to_another_process_is_never_written_over(cache_path: st
     _all_free(workers)  # (each worker let go of the storages sent on, and made others)
     for ds in sources:
         ds.close()
+
+
+class _Tokens(torch.Tensor):
+    """A user's tensor subclass with an attribute (as torchvision's tv_tensors carry theirs)."""
+
+    source: str
+
+
+class _AsSubclass:
+    """Wraps TextCollate's batch as a user's collate might: the ids as a subclass with an attribute, a view of the
+    worker's lent storage. (Not a plain tensor given an attribute: torch's own worker batches drop those.)"""
+
+    def __init__(self) -> None:
+        self.inner = TextCollate(0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+    def __call__(self, samples: Any) -> Any:
+        batch = self.inner(samples)
+        batch["input_ids"] = batch["input_ids"].as_subclass(_Tokens)
+        batch["input_ids"].source = f"rows of {len(samples)}"
+        return batch
+
+
+def test_a_subclass_with_attributes_crosses_whole_and_is_never_written_over(cache_path: str) -> None:
+    """A lent batch's tensors cross as their places in the worker's storage: a subclass with an attribute must
+    arrive as it left, and one kept must stay as it arrived while the pool is reused."""
+    ds = MmapCachedDataset(cache_path, Tokenized(240, longest=3000))
+    ds.fill()
+    workers = ds.loader(batch_size=8, shuffle=True, seed=3, num_workers=2, persistent_workers=True,
+                        collate_fn=_AsSubclass())
+    plain = ds.loader(batch_size=8, shuffle=True, seed=3, collate_fn=TextCollate(0))
+    kept: list[tuple[Any, Any]] = []
+    for epoch in range(2):
+        plain.sampler.set_epoch(epoch)
+        expected = list(plain)
+        workers.sampler.set_epoch(epoch)  # (after the pass above: an epoch read again unset is its next pass)
+        for k, (batch, want) in enumerate(zip(workers, expected, strict=True)):
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            assert type(ids) is _Tokens and ids.source == f"rows of {len(want['input_ids'])}"
+            assert type(mask) is torch.Tensor
+            assert torch.equal(ids.as_subclass(torch.Tensor), want["input_ids"])
+            assert torch.equal(mask, want["attention_mask"])
+            if k in (4, 17):
+                kept.append((ids, ids.as_subclass(torch.Tensor).clone()))
+            del batch, ids, mask
+            gc.collect()
+    assert len(kept) == 4
+    for held, copy in kept:
+        assert torch.equal(held.as_subclass(torch.Tensor), copy)
+    del held
+    kept.clear()
+    _all_free(workers)  # (given back once the caller dropped them)
+    ds.close()
 
 
 def _compare_when_told(tensor: torch.Tensor, copy: torch.Tensor, go: Any, result: Any) -> None:

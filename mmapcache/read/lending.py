@@ -11,16 +11,25 @@ one that the main process no longer maps:
 * In a worker, ``Lending.storage(nbytes)`` takes a free storage of at least ``nbytes`` (or makes one, a quarter
   larger, so that the next, slightly longer batch fits), marks its flag with a new generation and returns a
   ``Tag``. All its storages lent or being filled: a storage of its own, as without a pool (never a wait).
-* The batch crosses as a ``Lent(batch, tags)``. Unpickled in the main process, it records a weak reference to each
-  lent storage (``torch.multiprocessing``'s ``StorageWeakRef``) and keeps only the batch: ``received`` unwraps it.
+* The batch crosses as a ``Lent(batch, tags)``, without a file descriptor once its storage is known. Torch sends
+  each storage of a batch by passing its descriptor over a socket to a thread of the worker, which answers only when
+  it gets the GIL from the worker reading its next batch: measured on 2 cores, a batch of one tensor from a storage
+  sent before cost 0.6 ms more than one of none (DataLoader, two workers, 0.4 ms reads). So a pool storage is sent
+  by descriptor once, with the first batch carved from it (``Tag.first``), and mapped by the main process for as
+  long as its ``Lending`` lives (``Lending.mapped``); each tensor carved from it crosses as its place there
+  (``_Carving``: offset, shape, strides, dtype, and a subclass's class and attributes, as torch pickles them).
+* Unpickled in the main process (``_arrived``), each lent storage of the batch becomes a storage object of its own
+  over the mapped bytes (``torch.frombuffer``), which only that batch's tensors hold, and records a weak reference
+  to it (``torch.multiprocessing``'s ``StorageWeakRef``); ``received`` unwraps the batch.
 * Each batch the loader hands on (``received``) sweeps the records first: a storage no tensor of the main process
   holds any more (the caller dropped its batch) gets its flag set back to 0, if it still holds that batch's
   generation, and its worker may fill it again. Until then the worker does not touch it, however long the caller
   keeps the batch.
 
 A lent storage that another process may map is that batch's for good: one the main process sends on (a tensor of
-the batch put on a multiprocessing queue; ``_escaping`` is wrapped around torch's reducer for storages), and every
-one it holds when it forks (``_before_fork``: the child maps them too). This process's weak reference cannot see
+the batch put on a multiprocessing queue; ``_escaping`` is wrapped around torch's reducer for storages, which copies
+a batch's storage to new shared memory before it sends it), and every one it holds when it forks (``_before_fork``:
+the child maps them too). This process's weak reference cannot see
 those mappings, so its record is dropped and its flag set to ``_GONE``; its worker lets go of it and makes another.
 A worker also leaves alone a storage that anything in it still holds (a transform that kept a tensor of a batch).
 
@@ -37,14 +46,17 @@ too. A worker killed mid-batch loses only its pool.
 from __future__ import annotations
 
 import gc
+import io
 import itertools
 import os
+import pickle
 import random
 import threading
 import uuid
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -57,12 +69,16 @@ _ROUND = 64 << 10  # a new storage's size is rounded up to this
 
 
 class Tag(NamedTuple):
-    """One lent storage: whose pool (``key``, ``worker``, ``slot``) and which batch (``generation``)."""
+    """One lent storage: whose pool (``key``, ``worker``, ``slot``), which batch (``generation``), which storage of
+    that slot (``serial``: a slot gets another when it needs a larger one or its last was sent on), and whether
+    this is the first batch sent from it (``first``: the main process has not mapped it yet)."""
 
     key: str
     worker: int
     slot: int
     generation: int
+    serial: int
+    first: bool
     storage: torch.UntypedStorage
 
 
@@ -73,10 +89,12 @@ class Lending:
         self.key = uuid.uuid4().hex
         self.flags = torch.zeros((workers, slots), dtype=torch.int64).share_memory_()
         self._pool: list[torch.UntypedStorage | None] | None = None  # (a worker's; made on first use)
+        # (The main process's:) each pool storage it has mapped, by (worker, slot): its serial, its bytes.
+        self.mapped: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
         _lendings[self.key] = self
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"key": self.key, "flags": self.flags, "_pool": None}
+        return {"key": self.key, "flags": self.flags, "_pool": None, "mapped": {}}
 
     # --- in a worker ---------------------------------------------------------------------------------------------
 
@@ -89,6 +107,8 @@ class Lending:
                 self._worker = torch.utils.data.get_worker_info().id  # type: ignore[union-attr]
                 self._row = self.flags.numpy()[self._worker]
                 self._generations = itertools.count(random.getrandbits(40) + 1)
+                self._serials, self._shown = [0] * len(self._pool), [0] * len(self._pool)
+                self._serial = itertools.count(1)
             pool, row = self._pool, self._row
             for j in range(len(pool)):
                 if row[j] == _GONE:  # sent on from the main process: that batch's for good; this slot gets another
@@ -108,19 +128,23 @@ class Lending:
                 pool[slot] = None
                 try:
                     pool[slot] = torch.UntypedStorage._new_shared(-(-(nbytes + nbytes // 4) // _ROUND) * _ROUND)
+                    self._serials[slot] = next(self._serial)
                 except RuntimeError:  # shared memory full (a small /dev/shm): give the free ones back, ask exactly
                     for j in free:
                         pool[j] = None
                     return torch.UntypedStorage._new_shared(nbytes), None
-            generation = next(self._generations)
-            row[slot] = generation
+            generation, serial = next(self._generations), self._serials[slot]
+            first = self._shown[slot] != serial
+            row[slot], self._shown[slot] = generation, serial
             storage = pool[slot]
             assert storage is not None
-            return storage, Tag(self.key, self._worker, slot, generation, storage)
+            return storage, Tag(self.key, self._worker, slot, generation, serial, first, storage)
 
     def release(self, tags: list[Tag]) -> None:
         """Frees the storages of a batch that was never sent (its read raised)."""
         for tag in tags:
+            if tag.first:  # (never sent: the main process has not mapped it)
+                self._shown[tag.slot] = 0
             if self._row[tag.slot] == tag.generation:
                 self._row[tag.slot] = 0
 
@@ -131,14 +155,99 @@ class Lent:
     def __init__(self, batch: Any, tags: list[Tag]) -> None:
         self.batch, self.tags = batch, tags
 
-    def __setstate__(self, state: dict[str, Any]) -> None:  # (in the main process)
-        self.batch, self.tags = state["batch"], []
-        _record(state["tags"])
+    def __reduce__(self) -> tuple[Any, ...]:  # (in the worker: its queue's feeder thread)
+        if not self.tags:
+            return Lent, (self.batch, [])
+        index = {tag.storage.data_ptr(): n for n, tag in enumerate(self.tags)}
+        buffer = io.BytesIO()
+        _Carving(buffer, index).dump(self.batch)
+        entries = [(t.key, t.worker, t.slot, t.generation, t.serial, t.storage if t.first else None)
+                   for t in self.tags]
+        return _arrived, (entries, buffer.getvalue())
 
     def pin_memory(self, device: Any = None) -> Lent:  # (DataLoader's pin_memory thread)
         from torch.utils.data._utils.pin_memory import pin_memory
 
         return Lent(pin_memory(self.batch, device), [])
+
+
+class _Carving(ForkingPickler):
+    """Pickles a worker's batch with each tensor carved from a lent storage written as its place in it (see the
+    module docstring); every other object as the worker's queue would (tensors elsewhere by file descriptor)."""
+
+    def __init__(self, file: io.BytesIO, index: dict[int, int]) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.index = index  # each lent storage's address: its place in the batch's list of them
+        self.seen: dict[int, int] = {}  # each tensor written so far (by identity): its number
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        if id(obj) in self.seen:  # (a tensor in two places of the batch stays one)
+            return ("again", self.seen[id(obj)])
+        if obj.layout is not torch.strided or obj.device.type != "cpu":
+            return None
+        n = self.index.get(obj.untyped_storage().data_ptr())
+        if n is None:
+            return None
+        state = torch._utils._get_obj_state(obj)  # (a subclass's attributes)
+        if (obj.is_quantized or obj.is_conj() or obj.is_neg() or (obj.requires_grad and not obj.is_leaf)
+                or type(obj).__reduce_ex__ is not torch.Tensor.__reduce_ex__):
+            return ("copy", obj.clone())  # (none of ours: in a storage of its own, never the lent one)
+        self.seen[id(obj)] = len(self.seen)
+        kind = None if type(obj) is torch.Tensor and not state else type(obj)
+        return ("carved", n, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.requires_grad,
+                kind, state)
+
+
+class _Uncarving(pickle.Unpickler):
+    """Unpickles a batch ``_Carving`` wrote, its carved tensors made in ``storages`` (one per lent storage)."""
+
+    def __init__(self, payload: bytes, storages: list[torch.UntypedStorage]) -> None:
+        super().__init__(io.BytesIO(payload))
+        self.storages = storages
+        self.made: list[torch.Tensor] = []
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == "again":
+            return self.made[pid[1]]
+        if pid[0] == "copy":
+            return pid[1]
+        _, n, dtype, offset, shape, stride, grad, kind, state = pid
+        t = torch.empty(0, dtype=dtype).set_(self.storages[n], offset, shape, stride)
+        if grad:
+            t.requires_grad_()
+        if kind is not None:  # (as torch unpickles a subclass, or a tensor given attributes)
+            t = torch._tensor._rebuild_from_type_v2(_same, kind, (t,), state)
+        self.made.append(t)
+        return t
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _arrived(entries: list[tuple[Any, ...]], payload: bytes) -> Lent:
+    """A lent batch, unpickled in the main process: its tensors made in storages of their own that alias the
+    worker's pool storages, each mapped here once (see the module docstring)."""
+    storages = []
+    with _locked():
+        for key, worker, slot, generation, serial, storage in entries:
+            lending = _lendings.get(key)
+            mapped = lending.mapped if lending is not None else {}
+            if storage is not None:  # (the first batch from this storage: mapped here from now on)
+                mapped[(worker, slot)] = (serial, torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+            known = mapped.get((worker, slot))
+            if known is None or known[0] != serial:
+                raise RuntimeError(f"mmapcache: a batch of DataLoader worker {worker} names a shared storage this "
+                                   "process never received (its loader was dropped while its workers ran?)")
+            batch_storage = torch.frombuffer(known[1], dtype=torch.uint8).untyped_storage()
+            storages.append(batch_storage)
+            if lending is not None:
+                _settle(batch_storage.data_ptr())  # (the batch before it from this storage: dropped, or gone)
+                _pending[batch_storage.data_ptr()] = (lending.flags.numpy()[worker], slot, generation,
+                                                      StorageWeakRef(batch_storage))
+    return Lent(_Uncarving(payload, storages).load(), [])
 
 
 def received(obj: Any) -> Any:
@@ -186,16 +295,6 @@ def _locked() -> Iterator[None]:
             gc.enable()
 
 
-def _record(tags: list[Tag]) -> None:
-    with _locked():
-        for tag in tags:
-            lending = _lendings.get(tag.key)
-            if lending is not None:  # (else its loader is gone: so are its workers, after this batch)
-                _settle(tag.storage.data_ptr())  # (a dropped storage mapped at the same address before)
-                _pending[tag.storage.data_ptr()] = (lending.flags.numpy()[tag.worker], tag.slot, tag.generation,
-                                                    StorageWeakRef(tag.storage))
-
-
 def _sweep() -> None:
     if not _pending:
         return
@@ -220,8 +319,6 @@ def _settle(address: int, gone: bool = False) -> None:
 
 def _watch_escapes() -> None:
     """Wraps torch's reducer for storages (registered with multiprocessing's pickler) in ``_escaping``."""
-    from multiprocessing.reduction import ForkingPickler
-
     reduce = ForkingPickler._extra_reducers.get(torch.UntypedStorage)  # type: ignore[attr-defined]
     if reduce is not None:
 
