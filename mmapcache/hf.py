@@ -18,6 +18,11 @@ The resumed pass draws nothing from torch's generator (``read.order``), so with 
 from the checkpoint, a resumed run reads the batches and computes the losses of the uninterrupted one. With
 ``gradient_accumulation_steps`` > 1, keep it a divisor of an epoch's batches: ``Trainer`` counts a resumed epoch's
 steps from 0 and would not close its last short accumulation.
+
+Resume on the number of ranks that saved the checkpoint. ``ds.loader``'s state itself resumes on any number
+(``read.loader_state``), but ``Trainer`` finds the epoch a checkpoint was in by dividing its step by its own steps per
+epoch: saved by 2 ranks at step 15 of 10-step epochs (epoch 1), resumed on 1 it would call ``set_epoch(0)`` and
+read epoch 0 again. ``LoaderState`` refuses such a resume instead of letting it read the wrong epochs.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ class LoaderState(transformers.TrainerCallback):
     Raises (when a run resumes):
         ValueError: ``ignore_data_skip`` is not set (``Trainer`` would skip the batches itself, and fail), or the
             checkpoint holds no state of this rank's loader (saved without ``LoaderState``: the resumed epoch would
-            start over).
+            start over), or it was saved by another number of ranks (``Trainer`` would set another epoch).
     """
 
     def __init__(self, loader: Any) -> None:
@@ -69,4 +74,11 @@ class LoaderState(transformers.TrainerCallback):
             raise ValueError(f"the checkpoint of step {state.global_step} holds no state of this rank's loader "
                              f"({path}): it was saved without LoaderState, and the resumed epoch would start over; "
                              "resume from a checkpoint saved with it")
-        self.loader.load_state_dict(torch.load(path, weights_only=False))
+        saved = torch.load(path, weights_only=False)
+        ranks = saved.get("world_size", args.world_size) if isinstance(saved, dict) else args.world_size
+        if ranks != args.world_size:
+            raise ValueError(f"the checkpoint of step {state.global_step} was saved by a job of {ranks} rank(s) and "
+                             f"this one has {args.world_size}: Trainer finds the epoch to resume by dividing the step "
+                             "by its own steps per epoch, so it would set the loader to another epoch than the one "
+                             f"the checkpoint was in and read samples twice or never; resume on {ranks} rank(s)")
+        self.loader.load_state_dict(saved)

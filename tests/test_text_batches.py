@@ -544,8 +544,9 @@ def test_a_trainer_resumed_from_a_checkpoint_reads_on_where_ds_loader_was(cache_
 
 def test_a_resume_the_loader_state_cannot_make_exact_is_refused_naming_the_fix(cache_path: str, tmp_path: Any) -> None:
     """Without ``ignore_data_skip=True``, ``Trainer`` failed deep in accelerate (``'NoneType' object is not
-    iterable``, a new user's report); from a checkpoint saved without ``LoaderState``, the epoch would start over.
-    Both are refused as the run resumes, naming the fix."""
+    iterable``, a new user's report); from a checkpoint saved without ``LoaderState``, the epoch would start over; from
+    one saved by another number of ranks, ``Trainer`` would set another epoch. Each is refused as the run resumes,
+    naming the fix."""
     transformers = pytest.importorskip("transformers")
     with MmapCachedDataset(cache_path, Tokenized(48, longest=10)) as ds:
         ds.fill()
@@ -556,6 +557,13 @@ def test_a_resume_the_loader_state_cannot_make_exact_is_refused_naming_the_fix(c
         os.remove(tmp_path / "checkpoint-6" / "mmapcache-loader-0.pt")
         with pytest.raises(ValueError, match="saved without LoaderState"):
             trainer_recipe.train(transformers, ds, str(tmp_path), str(tmp_path / "checkpoint-6"), [])
+        # Rank 0's state as a job of two ranks saves it (at step 8 of 3 steps an epoch there: epoch 2), resumed here
+        # on one: Trainer would divide 8 by its 6 steps an epoch and set epoch 1.
+        state_file = tmp_path / "checkpoint-8" / "mmapcache-loader-0.pt"
+        saved = torch.load(state_file, weights_only=False)
+        torch.save({**saved, "world_size": 2, "batches_per_epoch": 3}, state_file)
+        with pytest.raises(ValueError, match=r"saved by a job of 2 rank.*this one has 1.*resume on 2 rank"):
+            trainer_recipe.train(transformers, ds, str(tmp_path), str(tmp_path / "checkpoint-8"), [])
 
 
 class _Classes(torch.utils.data.Dataset):
