@@ -222,3 +222,20 @@ def test_a_fixed_field_named_in_fields_is_padded_as_over_samples(cache_path: str
             ids = batch["input_ids"]
             assert isinstance(ids, tuple) and torch.equal(ids.lengths, torch.full((len(ids.data),), 6))
             assert (ids.mask is not None) == mask and (not mask or bool(ids.mask.all()))
+
+
+def test_fields_of_the_same_lengths_get_equal_masks_each_its_own(cache_path: str,
+                                                                  no_checked_gather: list[int]) -> None:
+    """``input_ids`` and ``attention_mask`` share their lengths: the second's mask is copied from the first's, and
+    stays its own (a mask changed in place changes no other field's)."""
+    with MmapCachedDataset(cache_path, Tokenized(24, longest=50)) as ds:
+        ds.fill()
+        for indices in ([3, 17, 0, 9], [5]):
+            batch = ds.read_batch(indices, 0, PadCollate(0, mask=True))
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            assert torch.equal(ids.mask, mask.mask)
+            assert torch.equal(ids.mask.sum(1), ids.lengths)
+            assert ids.mask.data_ptr() != mask.mask.data_ptr()
+            ids.mask.zero_()
+            assert torch.equal(mask.mask.sum(1), mask.lengths)
+        assert not no_checked_gather
