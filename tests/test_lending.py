@@ -261,6 +261,111 @@ def test_a_subclass_with_attributes_crosses_whole_and_is_never_written_over(cach
     ds.close()
 
 
+class _SendsTheLastAgain:
+    """Wraps TextCollate as a user's fallback might: every fourth call, the worker sends its last batch again (marked
+    ``again``) instead of a new one, a batch carved from an earlier storage of its pool."""
+
+    def __init__(self) -> None:
+        self.inner, self.last, self.calls = TextCollate(0), None, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+    def __call__(self, samples: Any) -> Any:
+        self.calls += 1
+        if self.last is not None and self.calls % 4 == 0:
+            again, self.last = {**self.last, "again": True}, None
+            return again
+        self.last = self.inner(samples)
+        return self.last
+
+
+def test_a_batch_a_worker_sends_again_is_never_written_over(cache_path: str) -> None:
+    """A worker that sends an earlier batch's tensors again (its storage no longer this batch's): the main process
+    drops the first and keeps the second, and its pool must not fill that storage under it."""
+    ds = MmapCachedDataset(cache_path, Tokenized(240, longest=3000))
+    ds.fill()
+    workers = ds.loader(batch_size=8, shuffle=True, seed=3, num_workers=2, persistent_workers=True,
+                        collate_fn=_SendsTheLastAgain())
+    kept: list[tuple[Any, Any]] = []
+    for epoch in range(3):
+        workers.sampler.set_epoch(epoch)
+        for batch in workers:
+            if batch.get("again"):
+                kept.append((batch, _cloned(batch)))
+            del batch
+            gc.collect()
+    assert len(kept) > 10
+    for held, copy in kept:
+        for name in ("input_ids", "attention_mask"):
+            assert torch.equal(held[name], copy[name]), name
+    del held
+    kept.clear()
+    _all_free(workers)
+    ds.close()
+
+
+class _Entwined:
+    """Wraps TextCollate's batch so that its tensors refer to each other: the ids (a subclass) carry the mask and
+    themselves as attributes, and appear twice in the batch."""
+
+    def __init__(self) -> None:
+        self.inner = TextCollate(0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+    def __call__(self, samples: Any) -> Any:
+        batch = self.inner(samples)
+        ids, mask = batch["input_ids"].as_subclass(_Tokens), batch["attention_mask"].as_subclass(_Tokens)
+        ids.mask, ids.me, ids.source, mask.source = mask, ids, "ids", "mask"
+        return {"input_ids": ids, "attention_mask": mask, "again": ids, "both": [mask, ids]}
+
+
+def test_tensors_that_refer_to_each_other_arrive_as_the_same_objects(cache_path: str) -> None:
+    """A carved tensor's attributes may hold tensors of the batch, itself included: each must arrive as the one
+    object it was in the worker, wherever it appears."""
+    ds = MmapCachedDataset(cache_path, Tokenized(120, longest=3000))
+    ds.fill()
+    workers = ds.loader(batch_size=8, num_workers=2, collate_fn=_Entwined())
+    plain = ds.loader(batch_size=8, collate_fn=TextCollate(0))
+    for batch, want in zip(workers, plain, strict=True):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        assert (ids.source, mask.source) == ("ids", "mask")
+        assert ids.mask is mask and ids.me is ids and batch["again"] is ids
+        assert batch["both"][0] is mask and batch["both"][1] is ids
+        assert torch.equal(ids.as_subclass(torch.Tensor), want["input_ids"])
+        assert torch.equal(mask.as_subclass(torch.Tensor), want["attention_mask"])
+    ds.close()
+
+
+class _WithSpectrum:
+    """Wraps TextCollate's batch with a large complex tensor made in the worker, as a conjugate view (its storage the
+    worker's own, not the lent one), and its negative view."""
+
+    def __init__(self) -> None:
+        self.inner = TextCollate(0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+    def __call__(self, samples: Any) -> Any:
+        batch = self.inner(samples)
+        spectrum = torch.fft.rfft(batch["input_ids"].to(torch.float64))  # (larger than a packed small tensor)
+        return {**batch, "conj": spectrum.conj(), "neg": spectrum.real._neg_view()}
+
+
+def test_conjugate_and_negative_views_arrive_as_their_values(cache_path: str) -> None:
+    ds = MmapCachedDataset(cache_path, Tokenized(64, longest=3000))
+    ds.fill()
+    for batch, want in zip(ds.loader(batch_size=8, num_workers=2, collate_fn=_WithSpectrum()),
+                           ds.loader(batch_size=8, collate_fn=_WithSpectrum()), strict=True):
+        assert batch["conj"].nbytes > 64 << 10
+        assert torch.equal(batch["conj"].resolve_conj(), want["conj"].resolve_conj())
+        assert torch.equal(batch["neg"].resolve_neg(), want["neg"].resolve_neg())
+    ds.close()
+
+
 def _compare_when_told(tensor: torch.Tensor, copy: torch.Tensor, go: Any, result: Any) -> None:
     go.wait(120)
     result.value = int(torch.equal(tensor, copy))

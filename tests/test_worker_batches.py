@@ -98,3 +98,18 @@ def test_a_label_kept_after_its_batch_holds_only_itself(cache_path: str) -> None
     assert all(t.untyped_storage().nbytes() == t.nbytes for t in kept)
     assert torch.equal(torch.cat(kept), torch.tensor([i * 7 % 10 for i in range(32)]))
     ds.close()
+
+
+def test_a_small_view_copied_out_on_arrival_keeps_what_it_was() -> None:
+    """The main process copies each small view of a worker's storage out (``arena.detach_small``): the copy must be
+    what arrived, a leaf that requires grad included (a worker's carved tensor arrives as one), not a clone in a
+    graph."""
+    from mmapcache.read import arena
+
+    big = torch.zeros(1 << 16)  # (the storage a worker's batch was carved from)
+    weights = big[8:16].requires_grad_()
+    twice = arena.detach_small({"weights": weights, "again": weights, "label": big[:4].to(torch.int64)})
+    copy = twice["weights"]
+    assert copy is twice["again"] and copy.untyped_storage().nbytes() == copy.nbytes
+    assert copy.is_leaf and copy.requires_grad and copy.grad_fn is None
+    assert torch.equal(copy.detach(), weights.detach())

@@ -141,7 +141,7 @@ def read(pool: Lending | None, fn: Callable[..., Any], *args: Any, **kwargs: Any
         if not outer:
             return batch
         batch = _packed(batch)
-        return Lent(batch, _arena.tags) if _arena.tags else batch
+        return batch if pool is None else Lent(batch, _arena.tags, pool)
     except BaseException:
         if outer and pool is not None:
             pool.release(_arena.tags)  # (never sent: free again)
@@ -196,8 +196,8 @@ def detach_small(batch: Any) -> Any:
     def detach(t: torch.Tensor) -> torch.Tensor:
         if type(t) is torch.Tensor and t.nbytes <= _SMALL and (
                 t.untyped_storage().nbytes() > 2 * t.nbytes + _ALIGN):
-            if id(t) not in copies:
-                copies[id(t)] = t.clone()
+            if id(t) not in copies:  # (a leaf that requires grad, as it arrived, stays one)
+                copies[id(t)] = t.detach().clone().requires_grad_() if t.requires_grad and t.is_leaf else t.clone()
             return copies[id(t)]
         return t
     return _mapped(batch, detach)

@@ -11,13 +11,16 @@ one that the main process no longer maps:
 * In a worker, ``Lending.storage(nbytes)`` takes a free storage of at least ``nbytes`` (or makes one, a quarter
   larger, so that the next, slightly longer batch fits), marks its flag with a new generation and returns a
   ``Tag``. All its storages lent or being filled: a storage of its own, as without a pool (never a wait).
-* The batch crosses as a ``Lent(batch, tags)``, without a file descriptor once its storage is known. Torch sends
-  each storage of a batch by passing its descriptor over a socket to a thread of the worker, which answers only when
-  it gets the GIL from the worker reading its next batch: measured on 2 cores, a batch of one tensor from a storage
-  sent before cost 0.6 ms more than one of none (DataLoader, two workers, 0.4 ms reads). So a pool storage is sent
-  by descriptor once, with the first batch carved from it (``Tag.first``), and mapped by the main process for as
-  long as its ``Lending`` lives (``Lending.mapped``); each tensor carved from it crosses as its place there
-  (``_Carving``: offset, shape, strides, dtype, and a subclass's class and attributes, as torch pickles them).
+* The batch crosses as a ``Lent(batch, tags, lending)``, without a file descriptor once its storage is known.
+  Torch sends each storage of a batch by passing its descriptor over a socket to a thread of the worker, which
+  answers only when it gets the GIL from the worker reading its next batch: measured on 2 cores, a batch of one
+  tensor from a storage sent before cost 0.6 ms more than one of none (DataLoader, two workers, 0.4 ms reads). So a
+  pool storage is sent by descriptor once, with the first batch carved from it (``Tag.first``), and mapped by the
+  main process for as long as its ``Lending`` lives (``Lending.mapped``); each tensor carved from it crosses as its
+  place there (``_Carving``: offset, shape, strides, dtype, and a subclass's class, its attributes set after it as
+  pickle sets an object's state, so that tensors that hold each other arrive as the same objects). A tensor of
+  another storage of the pool (a worker that sends an earlier batch's tensors again) crosses as a copy: mapped as
+  the storage the main process knows, it would have no record of this batch, and its worker would fill it again.
 * Unpickled in the main process (``_arrived``), each lent storage of the batch becomes a storage object of its own
   over the mapped bytes (``torch.frombuffer``), which only that batch's tensors hold, and records a weak reference
   to it (``torch.multiprocessing``'s ``StorageWeakRef``); ``received`` unwraps the batch.
@@ -45,6 +48,7 @@ too. A worker killed mid-batch loses only its pool.
 
 from __future__ import annotations
 
+import functools
 import gc
 import io
 import itertools
@@ -140,6 +144,11 @@ class Lending:
             assert storage is not None
             return storage, Tag(self.key, self._worker, slot, generation, serial, first, storage)
 
+    def addresses(self) -> set[int]:
+        """The address of each storage of this worker's pool."""
+        with _worker_lock:
+            return {storage.data_ptr() for storage in self._pool or () if storage is not None}
+
     def release(self, tags: list[Tag]) -> None:
         """Frees the storages of a batch that was never sent (its read raised)."""
         for tag in tags:
@@ -150,17 +159,18 @@ class Lending:
 
 
 class Lent:
-    """A worker's batch and the tags of the storages it was carved from (see the module docstring)."""
+    """A worker's batch, the tags of the storages it was carved from, and the worker's ``Lending`` (see the module
+    docstring)."""
 
-    def __init__(self, batch: Any, tags: list[Tag]) -> None:
-        self.batch, self.tags = batch, tags
+    def __init__(self, batch: Any, tags: list[Tag], lending: Lending | None = None) -> None:
+        self.batch, self.tags, self.lending = batch, tags, lending
 
     def __reduce__(self) -> tuple[Any, ...]:  # (in the worker: its queue's feeder thread)
-        if not self.tags:
+        pool = self.lending.addresses() if self.lending is not None else set()
+        if not pool:
             return Lent, (self.batch, [])
-        index = {tag.storage.data_ptr(): n for n, tag in enumerate(self.tags)}
         buffer = io.BytesIO()
-        _Carving(buffer, index).dump(self.batch)
+        _Carving(buffer, {tag.storage.data_ptr(): n for n, tag in enumerate(self.tags)}, pool).dump(self.batch)
         entries = [(t.key, t.worker, t.slot, t.generation, t.serial, t.storage if t.first else None)
                    for t in self.tags]
         return _arrived, (entries, buffer.getvalue())
@@ -173,31 +183,55 @@ class Lent:
 
 class _Carving(ForkingPickler):
     """Pickles a worker's batch with each tensor carved from a lent storage written as its place in it (see the
-    module docstring); every other object as the worker's queue would (tensors elsewhere by file descriptor)."""
+    module docstring); every other object as the worker's queue would (tensors elsewhere by file descriptor).
 
-    def __init__(self, file: io.BytesIO, index: dict[int, int]) -> None:
+    A carved tensor is written as a call (``_carved``) and its attributes as the state set after it, so pickle's
+    memo keeps a tensor in two places of the batch one, even one that is an attribute of another, or of itself."""
+
+    def __init__(self, file: io.BytesIO, index: dict[int, int], pool: set[int]) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self.index = index  # each lent storage's address: its place in the batch's list of them
-        self.seen: dict[int, int] = {}  # each tensor written so far (by identity): its number
+        self.pool = pool  # the address of each storage of the worker's pool
 
-    def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor):
-            return None
-        if id(obj) in self.seen:  # (a tensor in two places of the batch stays one)
-            return ("again", self.seen[id(obj)])
-        if obj.layout is not torch.strided or obj.device.type != "cpu":
-            return None
-        n = self.index.get(obj.untyped_storage().data_ptr())
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor) or obj.layout is not torch.strided or obj.device.type != "cpu":
+            return NotImplemented
+        address = obj.untyped_storage().data_ptr()
+        n = self.index.get(address)
+        if n is None and address in self.pool:
+            # A tensor of another storage of the pool (an earlier batch's, sent again): sent by descriptor, the main
+            # process would map it as the storage it already maps, with no record of this batch; the worker would
+            # fill it again once the earlier batch was dropped. A copy of its own instead.
+            return _same, (obj.clone(),)
+        kind = None if type(obj) is torch.Tensor else type(obj)
+        ours = not (obj.is_quantized or obj.is_conj() or obj.is_neg() or (obj.requires_grad and not obj.is_leaf)
+                    or type(obj).__reduce_ex__ is not torch.Tensor.__reduce_ex__)
         if n is None:
-            return None
+            if obj.is_conj() or obj.is_neg():  # (torch's reducer sends the data without the bit: wrong values)
+                return _same, (obj.resolve_conj().resolve_neg(),)
+            if kind is None or not ours or obj.requires_grad:
+                return NotImplemented  # (by descriptor, as the worker's queue would)
+            # A subclass in a storage of its own: its data as a plain tensor, by descriptor, and its attributes as
+            # the state set after it, so that one holding itself keeps them (torch's own reducer drops them).
+            state = torch._utils._get_obj_state(obj)
+            return _as_kind, (obj.as_subclass(torch.Tensor), kind), state or None, None, None, _with_state
+        if not ours:
+            return _same, (obj.clone(),)  # (none of ours: in a storage of its own, never the lent one)
         state = torch._utils._get_obj_state(obj)  # (a subclass's attributes)
-        if (obj.is_quantized or obj.is_conj() or obj.is_neg() or (obj.requires_grad and not obj.is_leaf)
-                or type(obj).__reduce_ex__ is not torch.Tensor.__reduce_ex__):
-            return ("copy", obj.clone())  # (none of ours: in a storage of its own, never the lent one)
-        self.seen[id(obj)] = len(self.seen)
-        kind = None if type(obj) is torch.Tensor and not state else type(obj)
-        return ("carved", n, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.requires_grad,
-                kind, state)
+        place = (n, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.requires_grad, kind)
+        return _carved, place, state or None, None, None, _with_state
+
+
+def _carved(*place: Any) -> torch.Tensor:  # (named in the pickle; ``_Uncarving`` resolves it to its own)
+    raise RuntimeError("mmapcache: a lent batch unpickled outside its loader")
+
+
+def _with_state(t: torch.Tensor, state: Any) -> None:
+    """Sets a carved tensor's attributes, as torch does when it unpickles a subclass."""
+    if type(t).__setstate__ is not torch.Tensor.__setstate__:
+        t.__setstate__(state)
+    else:
+        torch._utils._set_obj_state(t, state)
 
 
 class _Uncarving(pickle.Unpickler):
@@ -206,25 +240,27 @@ class _Uncarving(pickle.Unpickler):
     def __init__(self, payload: bytes, storages: list[torch.UntypedStorage]) -> None:
         super().__init__(io.BytesIO(payload))
         self.storages = storages
-        self.made: list[torch.Tensor] = []
 
-    def persistent_load(self, pid: Any) -> Any:
-        if pid[0] == "again":
-            return self.made[pid[1]]
-        if pid[0] == "copy":
-            return pid[1]
-        _, n, dtype, offset, shape, stride, grad, kind, state = pid
-        t = torch.empty(0, dtype=dtype).set_(self.storages[n], offset, shape, stride)
-        if grad:
-            t.requires_grad_()
-        if kind is not None:  # (as torch unpickles a subclass, or a tensor given attributes)
-            t = torch._tensor._rebuild_from_type_v2(_same, kind, (t,), state)
-        self.made.append(t)
-        return t
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_carved":  # (not a bound method: the memo holding it would make a cycle
+            return functools.partial(_carve, self.storages)  # that keeps the batch's storages until a collection)
+        return super().find_class(module, name)
+
+
+def _carve(storages: list[torch.UntypedStorage], n: int, dtype: torch.dtype, offset: int, shape: tuple[int, ...],
+           stride: tuple[int, ...], grad: bool, kind: type[torch.Tensor] | None) -> torch.Tensor:
+    t = torch.empty(0, dtype=dtype).set_(storages[n], offset, shape, stride)
+    if grad:
+        t.requires_grad_()
+    return t if kind is None else t.as_subclass(kind)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _as_kind(t: torch.Tensor, kind: type[torch.Tensor]) -> torch.Tensor:
+    return t.as_subclass(kind)
 
 
 def _arrived(entries: list[tuple[Any, ...]], payload: bytes) -> Lent:
@@ -279,20 +315,29 @@ _pending: dict[int, tuple[np.ndarray, int, int, StorageWeakRef]] = {}
 _lock = threading.Lock()  # (batches arrive in the pin_memory thread too)
 _worker_lock = threading.Lock()
 _starting_lock = threading.Lock()
+_gc_lock = threading.Lock()
+_collectors, _collecting = 0, False  # (threads in ``_locked``; whether the collector was on when the first came)
 
 
 @contextmanager
 def _locked() -> Iterator[None]:
     """``_lock``, with the garbage collector off: a collection inside could finalise a DataLoader iterator whose
-    shutdown waits for its pin_memory thread, itself waiting here for the lock."""
-    collecting = gc.isenabled()
-    gc.disable()
+    shutdown waits for its pin_memory thread, itself waiting here for the lock. (Counted: a thread that finds it
+    off because another thread turned it off must not hold the lock with it turned back on, nor turn it on.)"""
+    global _collectors, _collecting
+    with _gc_lock:  # (nothing allocated inside: no collection can start while it is held)
+        if _collectors == 0:
+            _collecting = gc.isenabled()
+            gc.disable()
+        _collectors += 1
     try:
         with _lock:
             yield
     finally:
-        if collecting:
-            gc.enable()
+        with _gc_lock:
+            _collectors -= 1
+            if _collectors == 0 and _collecting:
+                gc.enable()
 
 
 def _sweep() -> None:
@@ -345,9 +390,12 @@ def _before_fork() -> None:
 
 
 def _after_fork() -> None:  # (in the child) none of the parent's records; its locks anew
-    global _lock, _worker_lock, _starting_lock
+    global _lock, _worker_lock, _starting_lock, _gc_lock, _collectors
     _pending.clear()
-    _lock, _worker_lock, _starting_lock = threading.Lock(), threading.Lock(), threading.Lock()
+    _lock, _worker_lock, _starting_lock, _gc_lock = (threading.Lock() for _ in range(4))
+    if _collectors and _collecting:  # (forked while another thread of the parent held ``_lock``: not here)
+        gc.enable()
+    _collectors = 0
 
 
 _watch_escapes()
