@@ -263,7 +263,8 @@ def test_a_subclass_with_attributes_crosses_whole_and_is_never_written_over(cach
 
 class _SendsTheLastAgain:
     """Wraps TextCollate as a user's fallback might: every fourth call, the worker sends its last batch again (marked
-    ``again``) instead of a new one, a batch carved from an earlier storage of its pool."""
+    ``again``) instead of a new one, a batch carved from an earlier storage of its pool. Each batch also carries a
+    subclass with an attribute, a leaf that requires grad and a ``Parameter``, all views of the lent storage."""
 
     def __init__(self) -> None:
         self.inner, self.last, self.calls = TextCollate(0), None, 0
@@ -276,13 +277,19 @@ class _SendsTheLastAgain:
         if self.last is not None and self.calls % 4 == 0:
             again, self.last = {**self.last, "again": True}, None
             return again
-        self.last = self.inner(samples)
+        batch = self.inner(samples)
+        floats = batch["input_ids"].view(torch.float64)  # (the same bytes: a view of the lent storage)
+        tokens = batch["input_ids"].as_subclass(_Tokens)
+        tokens.source = "ids"
+        self.last = {**batch, "tokens": tokens, "weights": floats[0].requires_grad_(),
+                     "parameter": torch.nn.Parameter(floats[1], requires_grad=False)}
         return self.last
 
 
 def test_a_batch_a_worker_sends_again_is_never_written_over(cache_path: str) -> None:
     """A worker that sends an earlier batch's tensors again (its storage no longer this batch's): the main process
-    drops the first and keeps the second, and its pool must not fill that storage under it."""
+    drops the first and keeps the second, and its pool must not fill that storage under it; each tensor arrives
+    as the kind it left as."""
     ds = MmapCachedDataset(cache_path, Tokenized(240, longest=3000))
     ds.fill()
     workers = ds.loader(batch_size=8, shuffle=True, seed=3, num_workers=2, persistent_workers=True,
@@ -291,15 +298,70 @@ def test_a_batch_a_worker_sends_again_is_never_written_over(cache_path: str) -> 
     for epoch in range(3):
         workers.sampler.set_epoch(epoch)
         for batch in workers:
+            tokens, weights, parameter = batch["tokens"], batch["weights"], batch["parameter"]
+            assert type(tokens) is _Tokens and tokens.source == "ids"
+            assert weights.is_leaf and weights.requires_grad
+            assert type(parameter) is torch.nn.Parameter and not parameter.requires_grad
+            assert torch.equal(tokens.as_subclass(torch.Tensor), batch["input_ids"])
             if batch.get("again"):
                 kept.append((batch, _cloned(batch)))
-            del batch
+            del batch, tokens, weights, parameter
             gc.collect()
     assert len(kept) > 10
     for held, copy in kept:
-        for name in ("input_ids", "attention_mask"):
-            assert torch.equal(held[name], copy[name]), name
+        for name in ("input_ids", "attention_mask", "weights", "parameter"):
+            assert torch.equal(held[name].detach(), copy[name].detach()), name
     del held
+    kept.clear()
+    _all_free(workers)
+    ds.close()
+
+
+class _Box:
+    def __init__(self, *contents: Any) -> None:
+        self.contents = contents
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+class _LendsParts:
+    """Wraps TextCollate's batch with a box holding a sparse tensor whose values are a row of the lent ids, and the
+    lent storage itself: pickled as their parts, never as a carved tensor."""
+
+    def __init__(self) -> None:
+        self.inner = TextCollate(0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+    def __call__(self, samples: Any) -> Any:
+        batch = self.inner(samples)
+        row = batch["input_ids"][0]
+        sparse = torch.sparse_coo_tensor(torch.arange(row.numel())[None], row, (row.numel(),))
+        return {**batch, "box": _Box(sparse, batch["input_ids"].untyped_storage())}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
+def test_a_lent_storage_reached_through_its_parts_is_never_written_over(cache_path: str) -> None:
+    """A sparse tensor's values, or the storage itself, kept without the batch's carved tensors: the storage is
+    given back once those are dropped, so what is kept must be a copy of its own."""
+    ds = MmapCachedDataset(cache_path, Tokenized(240, longest=3000))
+    ds.fill()
+    workers = ds.loader(batch_size=8, shuffle=True, seed=3, num_workers=2, persistent_workers=True,
+                        collate_fn=_LendsParts())
+    kept = []
+    for epoch in range(2):
+        workers.sampler.set_epoch(epoch)
+        for batch in workers:
+            sparse, storage = batch["box"].contents
+            assert torch.equal(sparse.to_dense(), batch["input_ids"][0])
+            kept.append((sparse, sparse.to_dense(), storage, _bytes(storage).clone()))
+            del batch, sparse, storage
+            gc.collect()
+    for sparse, dense, storage, data in kept:
+        assert torch.equal(sparse.to_dense(), dense) and torch.equal(_bytes(storage), data)
     kept.clear()
     _all_free(workers)
     ds.close()

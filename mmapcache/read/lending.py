@@ -18,9 +18,10 @@ one that the main process no longer maps:
   pool storage is sent by descriptor once, with the first batch carved from it (``Tag.first``), and mapped by the
   main process for as long as its ``Lending`` lives (``Lending.mapped``); each tensor carved from it crosses as its
   place there (``_Carving``: offset, shape, strides, dtype, and a subclass's class, its attributes set after it as
-  pickle sets an object's state, so that tensors that hold each other arrive as the same objects). A tensor of
-  another storage of the pool (a worker that sends an earlier batch's tensors again) crosses as a copy: mapped as
-  the storage the main process knows, it would have no record of this batch, and its worker would fill it again.
+  pickle sets an object's state, so that tensors that hold each other arrive as the same objects). Whatever
+  else reaches a storage of the pool (an earlier batch's tensor sent again, a sparse tensor's values, a bare
+  storage) crosses as a copy: mapped as the storage the main process knows, it would have no record of this batch,
+  and its worker would fill it again.
 * Unpickled in the main process (``_arrived``), each lent storage of the batch becomes a storage object of its own
   over the mapped bytes (``torch.frombuffer``), which only that batch's tensors hold, and records a weak reference
   to it (``torch.multiprocessing``'s ``StorageWeakRef``); ``received`` unwraps the batch.
@@ -186,40 +187,51 @@ class _Carving(ForkingPickler):
     module docstring); every other object as the worker's queue would (tensors elsewhere by file descriptor).
 
     A carved tensor is written as a call (``_carved``) and its attributes as the state set after it, so pickle's
-    memo keeps a tensor in two places of the batch one, even one that is an attribute of another, or of itself."""
+    memo keeps a tensor in two places of the batch one, even one that is an attribute of another, or of itself.
+    Whatever else reaches a storage of the worker's pool (a tensor of an earlier batch sent again, a sparse tensor's
+    parts, a ``Parameter``'s own reducer, a bare storage) reaches it as a storage object, and that crosses as a copy
+    (``storage``): sent by descriptor, the main process would map it as the pool storage it already maps, with no
+    record of this batch, and the worker would fill it again once the batch it was lent for was dropped."""
 
     def __init__(self, file: io.BytesIO, index: dict[int, int], pool: set[int]) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self.index = index  # each lent storage's address: its place in the batch's list of them
         self.pool = pool  # the address of each storage of the worker's pool
+        self.copies: dict[int, torch.UntypedStorage] = {}  # each pool storage copied, by address (copied once)
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
+            return self.storage(obj)
         if not isinstance(obj, torch.Tensor) or obj.layout is not torch.strided or obj.device.type != "cpu":
-            return NotImplemented
-        address = obj.untyped_storage().data_ptr()
-        n = self.index.get(address)
-        if n is None and address in self.pool:
-            # A tensor of another storage of the pool (an earlier batch's, sent again): sent by descriptor, the main
-            # process would map it as the storage it already maps, with no record of this batch; the worker would
-            # fill it again once the earlier batch was dropped. A copy of its own instead.
-            return _same, (obj.clone(),)
+            return NotImplemented  # (a sparse or nested tensor's parts come back here, as tensors or storages)
+        if (obj.is_conj() or obj.is_neg()) and not obj.requires_grad:  # (torch's reducer drops the bit: wrong values)
+            return _same, (obj.resolve_conj().resolve_neg(),)
         kind = None if type(obj) is torch.Tensor else type(obj)
-        ours = not (obj.is_quantized or obj.is_conj() or obj.is_neg() or (obj.requires_grad and not obj.is_leaf)
-                    or type(obj).__reduce_ex__ is not torch.Tensor.__reduce_ex__)
-        if n is None:
-            if obj.is_conj() or obj.is_neg():  # (torch's reducer sends the data without the bit: wrong values)
-                return _same, (obj.resolve_conj().resolve_neg(),)
-            if kind is None or not ours or obj.requires_grad:
-                return NotImplemented  # (by descriptor, as the worker's queue would)
-            # A subclass in a storage of its own: its data as a plain tensor, by descriptor, and its attributes as
-            # the state set after it, so that one holding itself keeps them (torch's own reducer drops them).
+        n = self.index.get(obj.untyped_storage().data_ptr())
+        if (n is None or obj.is_quantized or obj.is_conj() or obj.is_neg() or (obj.requires_grad and not obj.is_leaf)
+                or type(obj).__reduce_ex__ is not torch.Tensor.__reduce_ex__):
+            if kind is None or obj.requires_grad or type(obj).__reduce_ex__ is not torch.Tensor.__reduce_ex__:
+                return NotImplemented  # (torch's reducer, or the class's own: its storage comes back here)
+            # A subclass not carved: its data as a plain tensor, and its attributes as the state set after it, so
+            # that one holding itself keeps them (torch's own reducer drops them).
             state = torch._utils._get_obj_state(obj)
             return _as_kind, (obj.as_subclass(torch.Tensor), kind), state or None, None, None, _with_state
-        if not ours:
-            return _same, (obj.clone(),)  # (none of ours: in a storage of its own, never the lent one)
         state = torch._utils._get_obj_state(obj)  # (a subclass's attributes)
         place = (n, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.requires_grad, kind)
         return _carved, place, state or None, None, None, _with_state
+
+    def storage(self, storage: torch.UntypedStorage | torch.TypedStorage) -> Any:
+        """A storage being pickled: a copy of its own if it is one of the pool's (see the class docstring)."""
+        untyped = storage._untyped_storage if isinstance(storage, torch.TypedStorage) else storage
+        address = untyped.data_ptr()
+        if untyped.device.type != "cpu" or address not in self.pool:
+            return NotImplemented
+        if address not in self.copies:
+            self.copies[address] = untyped.clone()
+        copy = self.copies[address]
+        if isinstance(storage, torch.TypedStorage):
+            return _typed, (copy, storage.dtype)
+        return _same, (copy,)
 
 
 def _carved(*place: Any) -> torch.Tensor:  # (named in the pickle; ``_Uncarving`` resolves it to its own)
@@ -261,6 +273,10 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 def _as_kind(t: torch.Tensor, kind: type[torch.Tensor]) -> torch.Tensor:
     return t.as_subclass(kind)
+
+
+def _typed(storage: torch.UntypedStorage, dtype: torch.dtype) -> torch.TypedStorage:
+    return torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
 
 def _arrived(entries: list[tuple[Any, ...]], payload: bytes) -> Lent:
