@@ -17,7 +17,7 @@ one that the main process no longer maps:
   tensor from a storage sent before cost 0.6 ms more than one of none (DataLoader, two workers, 0.4 ms reads). So a
   pool storage is sent by descriptor once, with the first batch carved from it (``Tag.first``), and mapped by the
   main process for as long as its ``Lending`` lives (``Lending.mapped``); each tensor carved from it crosses as its
-  place there (``_Carving``: offset, shape, strides, dtype, and a subclass's class, its attributes set after it as
+  place there (``read.carving``: offset, shape, strides, dtype, and a subclass's class, its attributes set after it as
   pickle sets an object's state, so that tensors that hold each other arrive as the same objects). Whatever
   else reaches a storage of the pool (an earlier batch's tensor sent again, a sparse tensor's values, a bare
   storage) crosses as a copy: mapped as the storage the main process knows, it would have no record of this batch,
@@ -49,12 +49,10 @@ too. A worker killed mid-batch loses only its pool.
 
 from __future__ import annotations
 
-import functools
 import gc
 import io
 import itertools
 import os
-import pickle
 import random
 import threading
 import uuid
@@ -67,6 +65,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import carving
 
 _SLOTS = 6  # storages per worker: the batches DataLoader prefetches (2), the one being read, two the caller holds
 _GONE = -1  # a flag's value once the main process sent its storage on (or forked while holding it)
@@ -171,7 +171,7 @@ class Lent:
         if not pool:
             return Lent, (self.batch, [])
         buffer = io.BytesIO()
-        _Carving(buffer, {tag.storage.data_ptr(): n for n, tag in enumerate(self.tags)}, pool).dump(self.batch)
+        carving.Carving(buffer, {tag.storage.data_ptr(): n for n, tag in enumerate(self.tags)}, pool).dump(self.batch)
         entries = [(t.key, t.worker, t.slot, t.generation, t.serial, t.storage if t.first else None)
                    for t in self.tags]
         return _arrived, (entries, buffer.getvalue())
@@ -180,103 +180,6 @@ class Lent:
         from torch.utils.data._utils.pin_memory import pin_memory
 
         return Lent(pin_memory(self.batch, device), [])
-
-
-class _Carving(ForkingPickler):
-    """Pickles a worker's batch with each tensor carved from a lent storage written as its place in it (see the
-    module docstring); every other object as the worker's queue would (tensors elsewhere by file descriptor).
-
-    A carved tensor is written as a call (``_carved``) and its attributes as the state set after it, so pickle's
-    memo keeps a tensor in two places of the batch one, even one that is an attribute of another, or of itself.
-    Whatever else reaches a storage of the worker's pool (a tensor of an earlier batch sent again, a sparse tensor's
-    parts, a ``Parameter``'s own reducer, a bare storage) reaches it as a storage object, and that crosses as a copy
-    (``storage``): sent by descriptor, the main process would map it as the pool storage it already maps, with no
-    record of this batch, and the worker would fill it again once the batch it was lent for was dropped."""
-
-    def __init__(self, file: io.BytesIO, index: dict[int, int], pool: set[int]) -> None:
-        super().__init__(file, pickle.HIGHEST_PROTOCOL)
-        self.index = index  # each lent storage's address: its place in the batch's list of them
-        self.pool = pool  # the address of each storage of the worker's pool
-        self.copies: dict[int, torch.UntypedStorage] = {}  # each pool storage copied, by address (copied once)
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
-            return self.storage(obj)
-        if not isinstance(obj, torch.Tensor) or obj.layout is not torch.strided or obj.device.type != "cpu":
-            return NotImplemented  # (a sparse or nested tensor's parts come back here, as tensors or storages)
-        if (obj.is_conj() or obj.is_neg()) and not obj.requires_grad:  # (torch's reducer drops the bit: wrong values)
-            return _same, (obj.resolve_conj().resolve_neg(),)
-        kind = None if type(obj) is torch.Tensor else type(obj)
-        n = self.index.get(obj.untyped_storage().data_ptr())
-        if (n is None or obj.is_quantized or obj.is_conj() or obj.is_neg() or (obj.requires_grad and not obj.is_leaf)
-                or type(obj).__reduce_ex__ is not torch.Tensor.__reduce_ex__):
-            if kind is None or obj.requires_grad or type(obj).__reduce_ex__ is not torch.Tensor.__reduce_ex__:
-                return NotImplemented  # (torch's reducer, or the class's own: its storage comes back here)
-            # A subclass not carved: its data as a plain tensor, and its attributes as the state set after it, so
-            # that one holding itself keeps them (torch's own reducer drops them).
-            state = torch._utils._get_obj_state(obj)
-            return _as_kind, (obj.as_subclass(torch.Tensor), kind), state or None, None, None, _with_state
-        state = torch._utils._get_obj_state(obj)  # (a subclass's attributes)
-        place = (n, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.requires_grad, kind)
-        return _carved, place, state or None, None, None, _with_state
-
-    def storage(self, storage: torch.UntypedStorage | torch.TypedStorage) -> Any:
-        """A storage being pickled: a copy of its own if it is one of the pool's (see the class docstring)."""
-        untyped = storage._untyped_storage if isinstance(storage, torch.TypedStorage) else storage
-        address = untyped.data_ptr()
-        if untyped.device.type != "cpu" or address not in self.pool:
-            return NotImplemented
-        if address not in self.copies:
-            self.copies[address] = untyped.clone()
-        copy = self.copies[address]
-        if isinstance(storage, torch.TypedStorage):
-            return _typed, (copy, storage.dtype)
-        return _same, (copy,)
-
-
-def _carved(*place: Any) -> torch.Tensor:  # (named in the pickle; ``_Uncarving`` resolves it to its own)
-    raise RuntimeError("mmapcache: a lent batch unpickled outside its loader")
-
-
-def _with_state(t: torch.Tensor, state: Any) -> None:
-    """Sets a carved tensor's attributes, as torch does when it unpickles a subclass."""
-    if type(t).__setstate__ is not torch.Tensor.__setstate__:
-        t.__setstate__(state)
-    else:
-        torch._utils._set_obj_state(t, state)
-
-
-class _Uncarving(pickle.Unpickler):
-    """Unpickles a batch ``_Carving`` wrote, its carved tensors made in ``storages`` (one per lent storage)."""
-
-    def __init__(self, payload: bytes, storages: list[torch.UntypedStorage]) -> None:
-        super().__init__(io.BytesIO(payload))
-        self.storages = storages
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == __name__ and name == "_carved":  # (not a bound method: the memo holding it would make a cycle
-            return functools.partial(_carve, self.storages)  # that keeps the batch's storages until a collection)
-        return super().find_class(module, name)
-
-
-def _carve(storages: list[torch.UntypedStorage], n: int, dtype: torch.dtype, offset: int, shape: tuple[int, ...],
-           stride: tuple[int, ...], grad: bool, kind: type[torch.Tensor] | None) -> torch.Tensor:
-    t = torch.empty(0, dtype=dtype).set_(storages[n], offset, shape, stride)
-    if grad:
-        t.requires_grad_()
-    return t if kind is None else t.as_subclass(kind)
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _as_kind(t: torch.Tensor, kind: type[torch.Tensor]) -> torch.Tensor:
-    return t.as_subclass(kind)
-
-
-def _typed(storage: torch.UntypedStorage, dtype: torch.dtype) -> torch.TypedStorage:
-    return torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
 
 def _arrived(entries: list[tuple[Any, ...]], payload: bytes) -> Lent:
@@ -299,7 +202,7 @@ def _arrived(entries: list[tuple[Any, ...]], payload: bytes) -> Lent:
                 _settle(batch_storage.data_ptr())  # (the batch before it from this storage: dropped, or gone)
                 _pending[batch_storage.data_ptr()] = (lending.flags.numpy()[worker], slot, generation,
                                                       StorageWeakRef(batch_storage))
-    return Lent(_Uncarving(payload, storages).load(), [])
+    return Lent(carving.Uncarving(payload, storages).load(), [])
 
 
 def received(obj: Any) -> Any:
