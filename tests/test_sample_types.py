@@ -139,6 +139,25 @@ def test_pad_collate_over_python_lists_with_empty_ones_keeps_ints_and_every_valu
     assert pad([[], [5, 6]]).data.tolist() == [[0, 0], [5, 6]]
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float16, torch.float64])
+def test_pad_collate_pads_every_row_as_pad_sequence_does_short_long_and_empty(dtype: torch.dtype) -> None:
+    """Against ``pad_sequence`` and a mask of lengths, value by value: batches of short values (one scatter), long
+    ones (copied row by row), empty ones among them, one sample, none longer than 0."""
+    rng = np.random.default_rng(7)
+    pad_value = 0 if dtype == torch.bool else 7
+    collate = PadCollate(pad_value, mask=True, fields=["ids"])
+    for longest in (0, 1, 5, 40, 700):
+        for size in (1, 3, 16):
+            lengths = rng.integers(0, longest + 1, size)
+            values = [torch.from_numpy(rng.integers(0, 2 if dtype == torch.bool else 100, n)).to(dtype)
+                      for n in lengths]
+            got = collate([{"ids": v} for v in values])["ids"]
+            wanted = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=pad_value)
+            assert got.data.dtype == dtype and torch.equal(got.data, wanted), (longest, size)
+            assert torch.equal(got.lengths, torch.from_numpy(lengths))
+            assert torch.equal(got.mask, torch.arange(wanted.shape[1]) < got.lengths[:, None])
+
+
 def test_pad_collate_fields_are_checked(cache_path: str) -> None:
     with pytest.raises(TypeError, match=r"write fields=\['ids'\]"):
         PadCollate(0, fields="ids")

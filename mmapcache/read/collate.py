@@ -22,7 +22,7 @@ from torch.utils.data import default_collate
 from ..format.layout import JSON, TEXT_KINDS
 from . import arena
 from .gather import buffers, in_dataloader_worker
-from .heap_batch import WarmRows, mask_of, padded_tensor
+from .heap_batch import Located, WarmRows, copy_rows, mark_rows, mask_of, padded_tensor
 from .ragged import RAGGED_MARK, torch_target
 
 __all__ = ["PadCollate", "Padded"]
@@ -118,7 +118,7 @@ class PadCollate:
         else:
             _check_pad_value(pad_value, flat.dtype)
         if shapes.shape[1] == 1:
-            data, real = _pad_1d(flat, counts, pad_value)
+            data, real = _pad_1d(flat, counts, pad_value, self.mask)
         else:
             data, real = pad_flat(flat, counts, shapes, pad_value), None
         tensor = torch.from_numpy(data)
@@ -220,7 +220,7 @@ def pad_flat(flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, pad_value
     """
     batch, ndim = shapes.shape
     if ndim == 1:
-        return _pad_1d(flat, counts, pad_value)[0]
+        return _pad_1d(flat, counts, pad_value, False)[0]
     largest = tuple(int(d) for d in shapes.max(axis=0)) if batch else (0,) * ndim
     out = np.full((batch, *largest), pad_value, dtype=flat.dtype)
     start = 0
@@ -230,20 +230,27 @@ def pad_flat(flat: np.ndarray, counts: np.ndarray, shapes: np.ndarray, pad_value
     return out
 
 
-def _pad_1d(flat: np.ndarray, counts: np.ndarray, pad_value: Any) -> tuple[np.ndarray, np.ndarray]:
+def _pad_1d(flat: np.ndarray, counts: np.ndarray, pad_value: Any,
+            mask: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """1-D values given back to back, ``counts`` elements each, padded: ``(B, longest)`` of ``flat``'s dtype, and
-    the boolean mask of the real elements. One boolean-mask assignment (the mask's True elements, in C order, are the
-    values' elements in order): 3-5x the speed of a scatter at computed row and column indices. The padded array is
-    made in a recycled buffer (``read.gather.BufferPool.bytes``) outside DataLoader workers."""
+    (``mask``) the boolean mask of the real elements; each copied row by row (``heap_batch.copy_rows``,
+    ``mark_rows``: 0.75x the time of one boolean-mask assignment at (64, 1400) int64, its mask included). The
+    padded array is made in a recycled buffer (``read.gather.BufferPool.bytes``) outside DataLoader workers."""
     width = int(counts.max()) if len(counts) else 0
-    real = np.arange(width) < counts[:, None]
     shape = (len(counts), width)
     if in_dataloader_worker():  # (its batch is sent to the main process: a buffer of its own)
         out = np.empty(shape, flat.dtype)
     else:
         out = buffers.bytes(len(counts) * width * flat.dtype.itemsize).view(flat.dtype).reshape(shape)
     out.fill(pad_value)
-    out[real] = flat
+    flat = np.ascontiguousarray(flat)
+    if len(flat) != int(counts.sum()):
+        raise ValueError(f"{len(flat)} elements given for values of {int(counts.sum())}")
+    copy_rows(out, Located([(flat, np.cumsum(counts) - counts, counts)], counts))
+    real = None
+    if mask:
+        real = np.zeros(shape, np.bool_)
+        mark_rows(real, counts)
     return out, real
 
 
