@@ -724,15 +724,20 @@ def test_a_pad_value_the_dtype_cannot_hold_is_refused_in_a_worker_too(cache_path
 
 
 class _WithMeta(torch.utils.data.Dataset):
-    """Token ids beside a nested dict of metadata (a source's name, a number, a pair), as HF datasets' nested
-    features give them."""
+    """Token ids beside a nested dict of metadata (a source's name, a number, a pair, a 1-D tensor of numbers), as
+    HF datasets' nested features give them; ``ids`` names the tokens, which ``first`` puts after the metadata."""
+
+    def __init__(self, ids: str = "input_ids", first: bool = False) -> None:
+        self.ids, self.first = ids, first
 
     def __len__(self) -> int:
         return 12
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"input_ids": torch.arange(i * 1000, i * 1000 + 1 + i % 4),
-                "meta": {"source": f"doc{i}", "n": i, "span": (i, 2 * i)}, "label": i % 3}
+        meta = {"source": f"doc{i}", "n": i, "span": (i, 2 * i), "window": torch.tensor([i, i + 1])}
+        ids = torch.arange(i * 1000, i * 1000 + 1 + i % 4)
+        return {"meta": meta, self.ids: ids, "label": i % 3} if self.first else {
+            self.ids: ids, "meta": meta, "label": i % 3}
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -746,18 +751,37 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.parametrize("options", [{}, {"columns": ["input_ids", "meta"]}, {"columns": ["input_ids"]},
-                                     {"flatten": True}, {"labels": "input_ids", "pad": {"input_ids": 7}}])
+                                     {"flatten": True}, {"labels": "input_ids", "pad": {"input_ids": 7}},
+                                     {"pad_to_multiple_of": 8}, {"columns": ["input_ids", "meta.source"]},
+                                     {"columns": ["input_ids", "meta.span.1", "meta.window"]}])
 def test_a_nested_field_comes_back_under_its_key_from_a_cache_as_over_the_samples(cache_path: str,
                                                                                   options: dict[str, Any]) -> None:
     """Found by a review: from a cache, a nested dict's fields came back under their paths (``batch["meta.source"]``),
     over the samples under their key (``batch["meta"]["source"]``), so code written against one raised a KeyError
-    on the other. Every path gives the samples' form, keys in the samples' order; ``columns`` names the key."""
+    on the other. Every path gives the samples' form, keys in the samples' order; ``columns`` names the key, or
+    fields under it by their paths. Found by a later review: a nested 1-D field of numbers (``meta.window``) was
+    padded from a cache as tokens (to 8 columns with ``pad_to_multiple_of=8``; refused as not as long as the ids
+    with ``flatten=True``), where over the samples it is collated as ``default_collate`` collates it; and
+    ``columns`` naming fields under a key was refused over the samples."""
     source = _WithMeta()
     collate = TextCollate(**options)
     batches = _every_path(cache_path, source, collate)
     assert "meta" in batches[0] or options.get("columns") == ["input_ids"]
+    if "meta" in batches[0] and "window" in batches[0]["meta"]:
+        assert torch.equal(batches[0]["meta"]["window"], torch.tensor([[i, i + 1] for i in range(6)]))
     for batch in batches[1:]:
         assert _equal(batch, batches[0]), (list(batch), list(batches[0]))
+
+
+def test_a_built_mask_is_made_from_the_samples_own_tokens_not_a_nested_field(cache_path: str) -> None:
+    """Found by a review: samples with no mask, their tokens not named ``input_ids`` and a nested 1-D field before
+    them: from a cache, the mask was built from the nested field's lengths ((B, 2) of ones beside (B, 4) tokens),
+    silently. It is built from the first padded field of the samples' own, on every path."""
+    source = _WithMeta(ids="tokens", first=True)
+    for batch in _every_path(cache_path, source, TextCollate(labels="tokens")):
+        lengths = torch.tensor([1 + i % 4 for i in range(6)])
+        assert torch.equal(batch["attention_mask"], (torch.arange(4) < lengths[:, None]).long())
+        assert torch.equal(batch["labels"], torch.where(batch["attention_mask"].bool(), batch["tokens"], -100))
 
 
 def test_a_mixtures_batches_nest_a_nested_field_under_its_key(cache_path: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..format.tree import fold
 
-__all__ = ["nested"]
+__all__ = ["nested", "nested_fields"]
 
 _ABSENT = object()  # a field the batch left out (``columns``), left out of its key's value too
 
@@ -28,6 +28,12 @@ def nested(reader: Any, batch: dict[str, Any]) -> dict[str, Any]:
         elif group[0] not in out:
             out[group[0]] = group[1]({n: batch[n] for n in group[2] if n in batch})
     return out
+
+
+def nested_fields(reader: Any) -> frozenset[str]:
+    """The names of a cache's fields that lie under a nested key of the samples (``"meta.span"``), not keys of the
+    samples' own."""
+    return frozenset(_groups(reader))
 
 
 _kept_groups: dict[int, tuple[Any, dict[str, Any]]] = {}
@@ -82,7 +88,10 @@ def _built(tree: Any, values: dict[str, Any]) -> Any:
     """A nested key's value from its fields' batched values (the fields a batch left out are left out of it)."""
     if isinstance(tree, str):
         return values.get(tree, _ABSENT)
+    kept: dict[str, Any] | list[Any]
     if isinstance(tree, dict):
         built = {key: _built(part, values) for key, part in tree.items()}
-        return {key: value for key, value in built.items() if value is not _ABSENT}
-    return [value for value in (_built(part, values) for part in tree) if value is not _ABSENT]
+        kept = {key: value for key, value in built.items() if value is not _ABSENT}
+    else:
+        kept = [value for value in (_built(part, values) for part in tree) if value is not _ABSENT]
+    return kept if kept or not tree else _ABSENT  # (a key none of whose fields the batch holds: left out too)

@@ -5,9 +5,10 @@ tokenizer's pad id, an ``attention_mask`` of ones on the real tokens, ``labels``
 makes that from samples that are dicts of fields:
 
 - every 1-D field of numbers (a tensor, array or list of numbers, whatever its length: ``fields`` chooses others)
-  is padded to its own longest value in the batch (rounded up to ``pad_to_multiple_of``), with its own pad value
-  (``pad``; a ``labels`` field with ``ignore_index``, ``token_type_ids`` with 0 and ``special_tokens_mask`` with 1,
-  as a tokenizer pads them, unless ``pad`` names them);
+  among the samples' own keys (one under a nested key is collated under it, below, from a cache too) is padded to
+  its own longest value in the batch (rounded up to ``pad_to_multiple_of``), with its own pad value (``pad``; a
+  ``labels`` field with ``ignore_index``, ``token_type_ids`` with 0 and ``special_tokens_mask`` with 1, as a
+  tokenizer pads them, unless ``pad`` names them);
 - the attention mask is the samples' own (``attention_mask``, padded with 0: a tokenizer's mask that already holds
   zeros keeps them), or, where the samples have none (or ``build_mask``), built from the lengths of ``mask_from``
   (default ``input_ids``): 1 on the tokens, 0 on the padding;
@@ -58,7 +59,7 @@ from torch.utils.data import default_collate
 
 from . import arena
 from .heap_batch import Located, WarmRows, bits_of, flat_tensor, mask_of, padded_tensor, positions
-from .nested import nested
+from .nested import nested, nested_fields
 
 __all__ = ["TextCollate"]
 
@@ -159,8 +160,8 @@ class TextCollate:
         """``names`` (the samples' fields, in their order) less those ``columns`` leaves out (not the mask)."""
         if self.columns is None:
             return names
-        kept = [name for name in names if name in self.columns or name == self.attention_mask or (
-            "." in name and any(name.startswith(c + ".") for c in self.columns))]  # (a key: the fields under it)
+        kept = [name for name in names if _chosen(name, self.columns) or name == self.attention_mask or any(
+            c.startswith(name + ".") for c in self.columns)]  # (over samples: a key some of whose fields are named)
         return set(kept) if isinstance(names, (set, frozenset)) else kept
 
     def check_fields(self, paths: set[str]) -> None:
@@ -189,8 +190,11 @@ class TextCollate:
             raise TypeError("TextCollate takes samples that are dicts of fields (as model(**batch) takes them), "
                             f"got {type(samples[0]).__name__ if samples else 'an empty batch'}")
         names = list(samples[0])
-        self.check_fields(set(names))
+        self.check_fields(_paths(samples[0]))
         names = self._kept(names)
+        if self.columns is not None:  # a nested key of which columns names some fields: only those (as from a cache)
+            samples = [{n: s[n] if _chosen(n, self.columns) else _pruned(s[n], n, self.columns) for n in names}
+                       for s in samples]
         padded = self._padded_names(names, lambda n: _sequences([s[n] for s in samples]))
         values: dict[str, tuple[Located, torch.dtype]] = {}
         for name in padded:
@@ -210,14 +214,16 @@ class TextCollate:
         """Whether the mask is built (the samples have none of that name, or ``build_mask``), not padded as stored."""
         return self.attention_mask is not None and (self.build_mask or self.attention_mask not in names)
 
-    def _padded_names(self, names: list[str], sequence: Any) -> list[str]:
+    def _padded_names(self, names: list[str], sequence: Any, inner: frozenset[str] = frozenset()) -> list[str]:
         """The fields to pad or flatten, checked: the ``fields`` given, or every 1-D field of numbers (a mask
-        that is built is not read; a flattened batch has none)."""
+        that is built is not read; a flattened batch has none). Only the samples' own keys: a cache's fields under
+        a nested key (``inner``, ``"meta.span"``) are collated under it as ``default_collate`` collates them over the
+        samples, never padded (nor counted as the tokens a built mask is made from)."""
         if self.fields is not None:
-            missing = [f for f in self.fields if f not in names]
+            missing = [f for f in self.fields if f not in names or f in inner]
             if missing:
-                raise ValueError(f"TextCollate(fields=...) names {missing}, which the samples do not have; their "
-                                 f"fields are {names}")
+                raise ValueError(f"TextCollate(fields=...) names {missing}, which the samples do not have as keys "
+                                 f"of their own; their keys are {[n for n in names if n not in inner]}")
             padded = list(self.fields)
             mask = self.attention_mask
             if mask in names and mask not in padded and not self._builds(names) and not self.flatten and sequence(mask):
@@ -355,7 +361,7 @@ class TextCollate:
         warm = WarmRows(parts)
         if not warm.begin():
             return None
-        names, padded, others = self._warm_plan(warm.fields)
+        names, padded, others = self._warm_plan(warm.reader)
         if padded is None:
             return None  # (values the warm path does not pad: the checked path pads them)
         values: dict[str, tuple[Located, torch.dtype]] = {}
@@ -373,18 +379,20 @@ class TextCollate:
         batch = self._assemble(names, values, rest)
         return nested(warm.reader, batch) if warm.unchanged() else None
 
-    def _warm_plan(self, fields: list[Any]) -> tuple[list[str], list[tuple[str, int, torch.dtype]] | None,
-                                                      list[tuple[str, int]]]:
-        """For a cache's fields: the batch's field names, the padded fields (name, number, the dtype they are
-        served in; None if one is not a 1-D field of numbers the warm path pads) and the other fields it reads
-        (name, number). Kept per fields list (one cache's, or a mixture's first source's in the batch: its sources
-        store their fields alike), so a batch does not decide it again."""
+    def _warm_plan(self, reader: Any) -> tuple[list[str], list[tuple[str, int, torch.dtype]] | None,
+                                                list[tuple[str, int]]]:
+        """For a cache's fields (``reader.fields``): the batch's field names, the padded fields (name, number, the
+        dtype they are served in; None if one is not a 1-D field of numbers the warm path pads) and the other fields
+        it reads (name, number). Kept per fields list (one cache's, or a mixture's first source's in the batch: its
+        sources store their fields alike), so a batch does not decide it again."""
+        fields = reader.fields
         kept = self._kept_plans.get(id(fields))
         if kept is not None and kept[0] is fields:  # (the same list: an id is reused only once it is freed)
             return kept[1]
         names = self._kept([f.name for f in fields if f.kind != "json"])
         number = {f.name: k for k, f in enumerate(fields)}
-        chosen = self._padded_names(names, lambda n: _one_dim(fields[number[n]]))
+        inner = nested_fields(reader)
+        chosen = self._padded_names(names, lambda n: n not in inner and _one_dim(fields[number[n]]), inner)
         padded: list[tuple[str, int, torch.dtype]] | None = [
             (name, number[name], _target(fields[number[name]])) for name in chosen]
         if not all(WarmRows.paddable_field(fields[number[name]]) for name in chosen):
@@ -403,7 +411,8 @@ class TextCollate:
         fields = reader.fields
         names = self._kept([f.name for f in fields if f.kind != "json"])
         number = {f.name: k for k, f in enumerate(fields)}
-        padded = self._padded_names(names, lambda n: _one_dim(fields[number[n]]))
+        inner = nested_fields(reader)
+        padded = self._padded_names(names, lambda n: n not in inner and _one_dim(fields[number[n]]), inner)
         values: dict[str, tuple[Located, torch.dtype]] = {}
         for name in padded:
             k = number[name]
@@ -425,6 +434,46 @@ class TextCollate:
             else:
                 rest[field.name] = reader._batch_converters[k](columns[k])
         return nested(reader, self._assemble(names, values, rest))
+
+
+def _chosen(path: str, columns: frozenset[str]) -> bool:
+    """Whether ``columns`` names the field (or key) at ``path``, or a key it lies under."""
+    return path in columns or ("." in path and any(path.startswith(c + ".") for c in columns))
+
+
+def _pruned(value: Any, path: str, columns: frozenset[str]) -> Any:
+    """A sample's nested value (at ``path``) with only what ``columns`` names (a cache's batch leaves the others
+    out, its sequences as lists of what is kept)."""
+    if _chosen(path, columns):
+        return value
+    if isinstance(value, Mapping):
+        return {k: _pruned(v, f"{path}.{k}", columns) for k, v in value.items() if _wanted(f"{path}.{k}", columns)}
+    if isinstance(value, (list, tuple)):
+        return [_pruned(v, f"{path}.{k}", columns) for k, v in enumerate(value) if _wanted(f"{path}.{k}", columns)]
+    return value
+
+
+def _wanted(path: str, columns: frozenset[str]) -> bool:
+    return _chosen(path, columns) or any(c.startswith(path + ".") for c in columns)
+
+
+def _paths(sample: Mapping[str, Any]) -> set[str]:
+    """A sample's keys and the paths of the fields under them (``"meta.source"``, ``"pair.0"``), as a cache names
+    its fields: through dicts, tuples and lists of anything but numbers (a list of numbers is one field)."""
+    paths: set[str] = set()
+
+    def walk(value: Any, path: str) -> None:
+        paths.add(path)
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}")
+        elif isinstance(value, tuple) or (isinstance(value, list) and not all(_is_number(v) for v in value)):
+            for k, v in enumerate(value):
+                walk(v, f"{path}.{k}")
+
+    for key, value in sample.items():
+        walk(value, key)
+    return paths
 
 
 def _is_int(value: Any) -> bool:
