@@ -217,6 +217,11 @@ def test_a_bfloat16_field_and_max_shapes_are_refused(cache_path: str) -> None:
 
     with pytest.raises(LayoutError, match="holds bfloat16, which numpy has no type for"):
         MmapCachedDataset(cache_path, Bf(), store_as={"x": "uint8"})
+    # Found by a review: all ones were refused as "16256 at position 0" (1.0's bits); storing them as ones would have
+    # read back 1 as bits (a tiny bfloat16), so it is refused as clearly as a narrower type.
+    with pytest.raises(LayoutError, match=r"'ones'}: field 'x' holds bfloat16, which numpy has no type for"):
+        MmapCachedDataset(cache_path, Bf(), store_as={"x": "ones"})
+    assert not os.path.exists(cache_path)
     with pytest.raises(LayoutError, match=r"named in both max_shapes and store_as"):
         MmapCachedDataset(cache_path, Bf(), store_as={"x": "ones"}, max_shapes={"x": [3]})
     with pytest.raises(TypeError, match=r"store_as must be a dict of field path -> a narrower dtype name or 'ones'"):

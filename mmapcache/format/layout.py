@@ -262,7 +262,12 @@ def _stored_as(field: Field, how: Any) -> Field:
         LayoutError: not a dtype, or one that is not a narrower one of the field's kind; the message names the
             field and the fix.
     """
+    bits = field.torch_dtype is not None and field.torch_dtype != field.np_dtype.name
     if how == "ones":
+        if bits:  # (its 1.0 is no 1 in the bits it is stored as)
+            raise LayoutError(f"store_as={{{field.name!r}: 'ones'}}: field {field.name!r} holds {field.torch_dtype}, "
+                              "which numpy has no type for (it is stored as its bits): store it as it is (leave it "
+                              "out), or give it as float32 or int64")
         return replace(field, ones=True)
     try:
         target = np.dtype(how)
@@ -270,7 +275,7 @@ def _stored_as(field: Field, how: Any) -> Field:
         raise LayoutError(f"store_as={{{field.name!r}: {how!r}}}: not a numpy dtype name ('int32', 'uint8', "
                           "'float16'...) nor 'ones'") from None
     served = field.np_dtype
-    if field.torch_dtype is not None and field.torch_dtype != served.name:
+    if bits:
         raise LayoutError(f"store_as={{{field.name!r}: {how!r}}}: field {field.name!r} holds {field.torch_dtype}, "
                           "which numpy has no type for (it is stored as its bits): store it as it is (leave it out)")
     if not narrower(served, target):
