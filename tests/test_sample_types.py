@@ -137,6 +137,9 @@ def test_pad_collate_over_python_lists_with_empty_ones_keeps_ints_and_every_valu
         assert ids.data.dtype == torch.int64 and sorted(ids.lengths.tolist()) == [0, 2]
         assert ids.data.tolist() in ([[5, 6], [0, 0]], [[0, 0], [5, 6]])
     assert pad([[], [5, 6]]).data.tolist() == [[0, 0], [5, 6]]
+    # Found by a review: a batch of empty lists only was refused as "names ['ids'], which the samples do not have".
+    ids = PadCollate(0, mask=True, fields=["ids"])([{"ids": []}, {"ids": []}])["ids"]
+    assert ids.data.shape == (2, 0) and ids.data.dtype == torch.int64 and ids.lengths.tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float16, torch.float64])

@@ -285,13 +285,14 @@ def _number_lists(values: list[Any]) -> bool:
             found = True
         elif value:
             return False
-    return found
+    return found or not any(values)  # (every one empty: no number to see, and no other kind either)
 
 
 def _as_arrays(values: list[list[Any]]) -> list[np.ndarray]:
-    """Lists of numbers as arrays of one dtype, the non-empty lists' (an empty list has no type of its own)."""
+    """Lists of numbers as arrays of one dtype, the non-empty lists' (an empty list has no type of its own: a batch
+    of empty ones is int64, as ``TextCollate`` makes it, token ids being the usual lists of numbers)."""
     arrays = [np.asarray(v) for v in values]
-    dtype = np.result_type(*[a.dtype for a in arrays if a.size]) if any(a.size for a in arrays) else np.float64
+    dtype = np.result_type(*[a.dtype for a in arrays if a.size]) if any(a.size for a in arrays) else np.int64
     return [a.astype(dtype, copy=False) for a in arrays]
 
 
