@@ -796,3 +796,13 @@ def test_a_mixtures_batches_nest_a_nested_field_under_its_key(cache_path: str) -
                 assert batch["meta"]["source"] == [f"doc{i}" for i in rows]
                 assert batch["meta"]["n"].tolist() == rows
                 assert [t.tolist() for t in batch["meta"]["span"]] == [rows, [2 * i for i in rows]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.bool, torch.int32])
+def test_a_built_mask_has_the_dtype_asked_for_on_every_path(cache_path: str, dtype: torch.dtype) -> None:
+    """Found by a review: ``mask_dtype=torch.bfloat16`` gave a uint16 mask (the bits bfloat16 is filled as, never
+    viewed back) over the samples and from a warm cache, and a TypeError in a worker."""
+    lengths = torch.tensor([1 + i % 4 for i in range(6)])
+    wanted = (torch.arange(4) < lengths[:, None]).to(dtype)
+    for batch in _every_path(cache_path, _WithMeta(), TextCollate(mask_dtype=dtype)):
+        assert batch["attention_mask"].dtype == dtype and torch.equal(batch["attention_mask"], wanted)

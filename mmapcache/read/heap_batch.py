@@ -393,19 +393,21 @@ def positions(lengths: np.ndarray) -> torch.Tensor:
 
 
 def mask_of(lengths: np.ndarray, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(B, width)``: 1 (True) where position ``j < lengths[k]``, else 0."""
-    out = filled((len(lengths), width), 0, dtype)
-    mark_rows(out.numpy(), lengths)
-    return out
+    """``(B, width)``: 1 (True) where position ``j < lengths[k]``, else 0. A dtype numpy lacks (bfloat16) is filled
+    as its bits, 1.0's."""
+    bits = bits_of(dtype)
+    out = filled((len(lengths), width), 0, bits or dtype)
+    mark_rows(out.numpy(), lengths, 1 if bits is None else torch.ones(1, dtype=dtype).view(bits).item())
+    return out if bits is None else out.view(dtype)
 
 
-def mark_rows(target: np.ndarray, lengths: np.ndarray) -> None:
-    """Sets ``target[k, :lengths[k]]`` to 1 (True) in ``target`` (``(B, width)``, C-contiguous, zeroed), row by row:
-    a third of one broadcast comparison's time."""
+def mark_rows(target: np.ndarray, lengths: np.ndarray, one: Any = 1) -> None:
+    """Sets ``target[k, :lengths[k]]`` to ``one`` (1, True) in ``target`` (``(B, width)``, C-contiguous, zeroed), row
+    by row: a third of one broadcast comparison's time."""
     if not target.size:
         return  # (no row or no column: a memoryview of it cannot be cast)
     raw, row, r = target.data.cast("B"), target.strides[0], 0
-    ones = _constant(1, target.dtype, target.shape[1]).data.cast("B")
+    ones = _constant(one, target.dtype, target.shape[1]).data.cast("B")
     for n in (lengths * target.itemsize).tolist():
         raw[r:r + n] = ones[:n]
         r += row
