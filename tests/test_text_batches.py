@@ -5,6 +5,7 @@ by a Hugging Face model and its ``Trainer``."""
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any
 
@@ -723,6 +724,9 @@ def test_a_pad_value_the_dtype_cannot_hold_is_refused_in_a_worker_too(cache_path
                 next(iter(ds.loader(batch_size=6, collate_fn=TextCollate(pad=-1), num_workers=workers)))
 
 
+_Pair = collections.namedtuple("_Pair", ["a", "b"])
+
+
 class _WithMeta(torch.utils.data.Dataset):
     """Token ids beside a nested dict of metadata (a source's name, a number, a pair, a 1-D tensor of numbers), as
     HF datasets' nested features give them; ``ids`` names the tokens, which ``first`` puts after the metadata."""
@@ -734,7 +738,8 @@ class _WithMeta(torch.utils.data.Dataset):
         return 12
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        meta = {"source": f"doc{i}", "n": i, "span": (i, 2 * i), "window": torch.tensor([i, i + 1])}
+        meta = {"source": f"doc{i}", "n": i, "span": (i, 2 * i), "window": torch.tensor([i, i + 1]),
+                "pair": _Pair(torch.tensor([i, -i]), float(i)), "none": ()}
         ids = torch.arange(i * 1000, i * 1000 + 1 + i % 4)
         return {"meta": meta, self.ids: ids, "label": i % 3} if self.first else {
             self.ids: ids, "meta": meta, "label": i % 3}
@@ -753,7 +758,9 @@ def _equal(a: Any, b: Any) -> bool:
 @pytest.mark.parametrize("options", [{}, {"columns": ["input_ids", "meta"]}, {"columns": ["input_ids"]},
                                      {"flatten": True}, {"labels": "input_ids", "pad": {"input_ids": 7}},
                                      {"pad_to_multiple_of": 8}, {"columns": ["input_ids", "meta.source"]},
-                                     {"columns": ["input_ids", "meta.span.1", "meta.window"]}])
+                                     {"columns": ["input_ids", "meta.span.1", "meta.window"]},
+                                     {"columns": ["input_ids", "meta.pair.0", "meta.source"]},
+                                     {"columns": ["input_ids", "meta.pair.0", "meta.pair.1"]}])
 def test_a_nested_field_comes_back_under_its_key_from_a_cache_as_over_the_samples(cache_path: str,
                                                                                   options: dict[str, Any]) -> None:
     """Found by a review: from a cache, a nested dict's fields came back under their paths (``batch["meta.source"]``),
@@ -767,10 +774,25 @@ def test_a_nested_field_comes_back_under_its_key_from_a_cache_as_over_the_sample
     collate = TextCollate(**options)
     batches = _every_path(cache_path, source, collate)
     assert "meta" in batches[0] or options.get("columns") == ["input_ids"]
-    if "meta" in batches[0] and "window" in batches[0]["meta"]:
-        assert torch.equal(batches[0]["meta"]["window"], torch.tensor([[i, i + 1] for i in range(6)]))
+    meta = batches[0].get("meta", {})
+    if "window" in meta:
+        assert torch.equal(meta["window"], torch.tensor([[i, i + 1] for i in range(6)]))
+    if "pair" in meta and len(meta["pair"]) == 2:  # (whole, a namedtuple; found by a review: a list from a cache)
+        assert type(meta["pair"]) is _Pair and meta["pair"].b.tolist() == [float(i) for i in range(6)]
     for batch in batches[1:]:
         assert _equal(batch, batches[0]), (list(batch), list(batches[0]))
+
+
+def test_a_pad_for_a_field_under_a_key_is_refused_on_every_path(cache_path: str) -> None:
+    """Found by a review: ``pad={"meta.window": 5}`` was taken and did nothing (a field under a key is never padded);
+    as ``fields=`` naming one, it is refused, naming the field."""
+    with MmapCachedDataset(cache_path, _WithMeta()) as ds:
+        for collate in (lambda samples: TextCollate(pad={"meta.window": 5})(samples),
+                        lambda samples: next(iter(ds.loader(batch_size=6, collate_fn=TextCollate(
+                            pad={"meta.window": 5}))))):
+            with pytest.raises(ValueError, match=r"names \['meta.window'\] \(pad, labels or mask_from\), which lie "
+                                                 r"under a key"):
+                collate([ds.dataset[i] for i in range(6)])
 
 
 def test_a_built_mask_is_made_from_the_samples_own_tokens_not_a_nested_field(cache_path: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..format.codec import _namedtuple_class
 from ..format.tree import fold
 
 __all__ = ["nested", "nested_fields"]
@@ -61,8 +62,8 @@ def _groups(reader: Any) -> dict[str, Any]:
 
 
 def _tree(node: Any, names: list[str]) -> Any:
-    """A structure node with its leaves' field names: a name, a list (a tuple, list or namedtuple: collated as a
-    list, as ``default_collate`` collates a tuple) or a dict."""
+    """A structure node with its leaves' field names: a name, a list (a tuple or list: collated as a list, as
+    ``default_collate`` collates a tuple), a ``_Record`` (a namedtuple) or a dict."""
     def leaf(n: int) -> Any:
         return names[n]
 
@@ -73,15 +74,25 @@ def _tree(node: Any, names: list[str]) -> Any:
         return dict(zip(keys, parts))
 
     def record(spec: Any, parts: list[Any], children: list[Any]) -> Any:
-        return parts
+        return _Record(_namedtuple_class(*spec), parts)
 
     return fold(node, leaf=leaf, sequence=sequence, mapping=mapping, record=record)
+
+
+class _Record:
+    """A namedtuple's node: its class and its parts' trees (kept a namedtuple, as ``default_collate`` keeps one)."""
+
+    __slots__ = ("cls", "parts")
+
+    def __init__(self, cls: type, parts: list[Any]) -> None:
+        self.cls, self.parts = cls, parts
 
 
 def _leaves(tree: Any) -> list[str]:
     if isinstance(tree, str):
         return [tree]
-    return [name for part in (tree.values() if isinstance(tree, dict) else tree) for name in _leaves(part)]
+    parts = tree.values() if isinstance(tree, dict) else tree.parts if isinstance(tree, _Record) else tree
+    return [name for part in parts for name in _leaves(part)]
 
 
 def _built(tree: Any, values: dict[str, Any]) -> Any:
@@ -92,6 +103,11 @@ def _built(tree: Any, values: dict[str, Any]) -> Any:
     if isinstance(tree, dict):
         built = {key: _built(part, values) for key, part in tree.items()}
         kept = {key: value for key, value in built.items() if value is not _ABSENT}
+    elif isinstance(tree, _Record):  # (whole, a namedtuple; a part of it left out, a list of the rest)
+        kept = [value for value in (_built(part, values) for part in tree.parts) if value is not _ABSENT]
+        if len(kept) == len(tree.parts):
+            return tree.cls(*kept)
+        return kept if kept else _ABSENT
     else:
         kept = [value for value in (_built(part, values) for part in tree) if value is not _ABSENT]
     return kept if kept or not tree else _ABSENT  # (a key none of whose fields the batch holds: left out too)

@@ -190,12 +190,14 @@ class TextCollate:
             raise TypeError("TextCollate takes samples that are dicts of fields (as model(**batch) takes them), "
                             f"got {type(samples[0]).__name__ if samples else 'an empty batch'}")
         names = list(samples[0])
-        self.check_fields(_paths(samples[0]))
+        paths = _paths(samples[0])
+        self.check_fields(paths)
+        inner = frozenset(paths - set(names))
         names = self._kept(names)
         if self.columns is not None:  # a nested key of which columns names some fields: only those (as from a cache)
             samples = [{n: s[n] if _chosen(n, self.columns) else _pruned(s[n], n, self.columns) for n in names}
                        for s in samples]
-        padded = self._padded_names(names, lambda n: _sequences([s[n] for s in samples]))
+        padded = self._padded_names(names, lambda n: _sequences([s[n] for s in samples]), inner)
         values: dict[str, tuple[Located, torch.dtype]] = {}
         for name in padded:
             column = [s[name] for s in samples]
@@ -219,6 +221,11 @@ class TextCollate:
         that is built is not read; a flattened batch has none). Only the samples' own keys: a cache's fields under
         a nested key (``inner``, ``"meta.span"``) are collated under it as ``default_collate`` collates them over the
         samples, never padded (nor counted as the tokens a built mask is made from)."""
+        under = sorted({n for n in (*self.pads, self.labels, self.mask_from) if n is not None and n in inner})
+        if under:
+            raise ValueError(f"TextCollate names {under} (pad, labels or mask_from), which lie under a key of the "
+                             f"samples: it pads the samples' own keys, {[n for n in names if n not in inner]}, and "
+                             "collates a field under a key as default_collate does")
         if self.fields is not None:
             missing = [f for f in self.fields if f not in names or f in inner]
             if missing:
@@ -447,14 +454,20 @@ def _pruned(value: Any, path: str, columns: frozenset[str]) -> Any:
     if _chosen(path, columns):
         return value
     if isinstance(value, Mapping):
-        return {k: _pruned(v, f"{path}.{k}", columns) for k, v in value.items() if _wanted(f"{path}.{k}", columns)}
+        return {k: _pruned(v, f"{path}.{k}", columns) for k, v in value.items()
+                if _wanted(f"{path}.{k}", v, columns)}
     if isinstance(value, (list, tuple)):
-        return [_pruned(v, f"{path}.{k}", columns) for k, v in enumerate(value) if _wanted(f"{path}.{k}", columns)]
+        kept = [_pruned(v, f"{path}.{k}", columns) for k, v in enumerate(value) if _wanted(f"{path}.{k}", v, columns)]
+        whole = len(kept) == len(value) and hasattr(type(value), "_fields")
+        return type(value)(*kept) if whole else kept  # (a namedtuple whole stays one, as from a cache)
     return value
 
 
-def _wanted(path: str, columns: frozenset[str]) -> bool:
-    return _chosen(path, columns) or any(c.startswith(path + ".") for c in columns)
+def _wanted(path: str, value: Any, columns: frozenset[str]) -> bool:
+    """Whether a nested value stays: named, holding a field named, or an empty dict or tuple (no field to leave
+    out: a cache's batch keeps it too)."""
+    return _chosen(path, columns) or any(c.startswith(path + ".") for c in columns) or (
+        isinstance(value, (Mapping, tuple)) and not value)
 
 
 def _paths(sample: Mapping[str, Any]) -> set[str]:
