@@ -739,7 +739,7 @@ class _WithMeta(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         meta = {"source": f"doc{i}", "n": i, "span": (i, 2 * i), "window": torch.tensor([i, i + 1]),
-                "pair": _Pair(torch.tensor([i, -i]), float(i)), "none": ()}
+                "pair": _Pair(torch.tensor([i, -i]), float(i)), "none": (), "tags": [i, i + 1, i + 2][:1 + i % 3]}
         ids = torch.arange(i * 1000, i * 1000 + 1 + i % 4)
         return {"meta": meta, self.ids: ids, "label": i % 3} if self.first else {
             self.ids: ids, "meta": meta, "label": i % 3}
@@ -777,6 +777,8 @@ def test_a_nested_field_comes_back_under_its_key_from_a_cache_as_over_the_sample
     meta = batches[0].get("meta", {})
     if "window" in meta:
         assert torch.equal(meta["window"], torch.tensor([[i, i + 1] for i in range(6)]))
+    if "tags" in meta:  # (each sample's list, as a cache gives it back; found by a review: transposed over samples)
+        assert meta["tags"] == [[i, i + 1, i + 2][:1 + i % 3] for i in range(6)]
     if "pair" in meta and len(meta["pair"]) == 2:  # (whole, a namedtuple; found by a review: a list from a cache)
         assert type(meta["pair"]) is _Pair and meta["pair"].b.tolist() == [float(i) for i in range(6)]
     for batch in batches[1:]:

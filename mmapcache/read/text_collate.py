@@ -17,7 +17,9 @@ makes that from samples that are dicts of fields:
   EOS that is also the pad token stays a label). Labels of integers are int64, as Hugging Face's collators return
   them (losses take int64, and -100 fits no unsigned type), whatever dtype the ids have; so is a padded field of
   labels;
-- every other field is collated as ``default_collate`` collates it (``str`` fields: lists); a field of labels
+- every other field is collated as ``default_collate`` collates it (``str`` fields: lists), but a 1-D list of
+  numbers it does not pad stays each sample's list, as a cache gives it back (``default_collate`` would transpose
+  it); a field of labels
   (``label`` or ``label_ids``: a class, a multi-hot vector, token labels padded with ``ignore_index``) comes back as
   ``labels``, as Hugging Face's collators return it (a model given ``label`` ignores it and returns no loss), unless
   the batch has ``labels`` already (padded batches: a flattened one's ``labels`` are tokens);
@@ -208,7 +210,7 @@ class TextCollate:
             lengths = np.array([len(a) for a in arrays], np.int64)
             flat = np.concatenate(arrays) if arrays else np.empty(0, np.int64)
             values[name] = (_located(flat, lengths), _torch_dtype(column, flat))
-        rest = {n: default_collate([s[n] for s in samples]) for n in names if n not in values and not (
+        rest = {n: _collated([s[n] for s in samples]) for n in names if n not in values and not (
             n == self.attention_mask and (self._builds(names) or self.flatten))}
         return self._assemble(names, values, rest)
 
@@ -443,6 +445,24 @@ class TextCollate:
         return nested(reader, self._assemble(names, values, rest))
 
 
+def _collated(values: list[Any]) -> Any:
+    """A field the batch does not pad, collated as ``default_collate`` collates it, except that a 1-D list of numbers
+    (token ids, scores) stays each sample's list, at any depth: as a cache stores such a list (ragged, its lengths
+    free) and gives it back (``default_collate`` would transpose lists of one length into a tensor per position, and
+    refuse lists of several)."""
+    first = values[0]
+    if type(first) is list and all(type(v) is list for v in values) and all(
+            _is_number(x) for v in values for x in v):
+        return values
+    if isinstance(first, Mapping):
+        return {key: _collated([v[key] for v in values]) for key in first}
+    if isinstance(first, tuple) and hasattr(type(first), "_fields"):
+        return type(first)(*(_collated([v[k] for v in values]) for k in range(len(first))))
+    if isinstance(first, tuple) and all(isinstance(v, tuple) and len(v) == len(first) for v in values):
+        return [_collated([v[k] for v in values]) for k in range(len(first))]
+    return default_collate(values)
+
+
 def _chosen(path: str, columns: frozenset[str]) -> bool:
     """Whether ``columns`` names the field (or key) at ``path``, or a key it lies under."""
     return path in columns or ("." in path and any(path.startswith(c + ".") for c in columns))
@@ -458,8 +478,11 @@ def _pruned(value: Any, path: str, columns: frozenset[str]) -> Any:
                 if _wanted(f"{path}.{k}", v, columns)}
     if isinstance(value, (list, tuple)):
         kept = [_pruned(v, f"{path}.{k}", columns) for k, v in enumerate(value) if _wanted(f"{path}.{k}", v, columns)]
-        whole = len(kept) == len(value) and hasattr(type(value), "_fields")
-        return type(value)(*kept) if whole else kept  # (a namedtuple whole stays one, as from a cache)
+        if isinstance(value, list):
+            return kept
+        # (a namedtuple whole stays one, as from a cache; a tuple, or a namedtuple with parts left out, is collated
+        # as a tuple is, position by position)
+        return type(value)(*kept) if len(kept) == len(value) and hasattr(type(value), "_fields") else tuple(kept)
     return value
 
 
