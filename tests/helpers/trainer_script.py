@@ -14,6 +14,7 @@ import os
 import torch
 import transformers
 
+from helpers.rank_exit import exit_now
 from helpers.text_sources import Tokenized
 from helpers.trainer_recipe import train
 from mmapcache import MmapCachedDataset
@@ -33,6 +34,7 @@ def main() -> None:
         losses = train(transformers, ds, args.out, args.resume, seen, batch_size=4)
     with open(os.path.join(args.results, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "seen": seen, "losses": losses}, f)
+    exit_now()  # (Trainer leaves its gloo group up: torch's shutdown aborted a finished rank, see helpers.rank_exit)
 
 
 if __name__ == "__main__":
