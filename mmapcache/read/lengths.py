@@ -65,6 +65,7 @@ def sample_lengths(reader: Any, rows: np.ndarray, field: str, where: str) -> np.
 def by_length(order: np.ndarray, lengths: np.ndarray, group: int) -> np.ndarray:
     """``order`` with each run of ``group`` consecutive positions sorted longest first (ties in the order's order):
     batches cut from it hold samples of similar lengths, and which samples share a group stays as random as the
-    order (Hugging Face's ``LengthGroupedSampler``'s megabatches)."""
+    order (Hugging Face's ``LengthGroupedSampler``'s megabatches). An epoch of one group (a dataset of at most
+    ``group`` samples) is sorted whole: its batches are the same every epoch, in the same order, but for ties."""
     keys = lengths.take(order)
     return order[np.lexsort((-keys, np.arange(len(order)) // max(1, group)))]
