@@ -212,15 +212,20 @@ class _Tokens(torch.Tensor):
     source: str
 
 
-class _AsSubclass:
-    """Wraps TextCollate's batch as a user's collate might: the ids as a subclass with an attribute, a view of the
-    worker's lent storage. (Not a plain tensor given an attribute: torch's own worker batches drop those.)"""
+class _Wrapping:
+    """A user's collate around ``inner`` (TextCollate's, unless a subclass sets another), whose attributes it hands
+    on (``read_parts``: the warm path); subclasses change its batch in ``__call__``."""
 
     def __init__(self) -> None:
         self.inner = TextCollate(0)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["inner"], name)
+
+
+class _AsSubclass(_Wrapping):
+    """Wraps TextCollate's batch as a user's collate might: the ids as a subclass with an attribute, a view of the
+    worker's lent storage. (Not a plain tensor given an attribute: torch's own worker batches drop those.)"""
 
     def __call__(self, samples: Any) -> Any:
         batch = self.inner(samples)
@@ -261,16 +266,13 @@ def test_a_subclass_with_attributes_crosses_whole_and_is_never_written_over(cach
     ds.close()
 
 
-class _SendsTheLastAgain:
+class _SendsTheLastAgain(_Wrapping):
     """Wraps TextCollate as a user's fallback might: every fourth call, the worker sends its last batch again (marked
     ``again``) instead of a new one, a batch carved from an earlier storage of its pool. Each batch also carries a
     subclass with an attribute, a leaf that requires grad and a ``Parameter``, all views of the lent storage."""
 
     def __init__(self) -> None:
         self.inner, self.last, self.calls = TextCollate(0), None, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["inner"], name)
 
     def __call__(self, samples: Any) -> Any:
         self.calls += 1
@@ -326,15 +328,9 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-class _LendsParts:
+class _LendsParts(_Wrapping):
     """Wraps TextCollate's batch with a box holding a sparse tensor whose values are a row of the lent ids, and the
     lent storage itself: pickled as their parts, never as a carved tensor."""
-
-    def __init__(self) -> None:
-        self.inner = TextCollate(0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["inner"], name)
 
     def __call__(self, samples: Any) -> Any:
         batch = self.inner(samples)
@@ -367,15 +363,9 @@ def test_a_lent_storage_reached_through_its_parts_is_never_written_over(cache_pa
     ds.close()
 
 
-class _Entwined:
+class _Entwined(_Wrapping):
     """Wraps TextCollate's batch so that its tensors refer to each other: the ids (a subclass) carry the mask and
     themselves as attributes, and appear twice in the batch."""
-
-    def __init__(self) -> None:
-        self.inner = TextCollate(0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["inner"], name)
 
     def __call__(self, samples: Any) -> Any:
         batch = self.inner(samples)
@@ -401,15 +391,9 @@ def test_tensors_that_refer_to_each_other_arrive_as_the_same_objects(cache_path:
     ds.close()
 
 
-class _WithSpectrum:
+class _WithSpectrum(_Wrapping):
     """Wraps TextCollate's batch with a large complex tensor made in the worker, as a conjugate view (its storage the
     worker's own, not the lent one), and its negative view."""
-
-    def __init__(self) -> None:
-        self.inner = TextCollate(0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["inner"], name)
 
     def __call__(self, samples: Any) -> Any:
         batch = self.inner(samples)
@@ -496,14 +480,11 @@ def test_a_read_that_fails_in_a_worker_frees_its_storage(cache_path: str) -> Non
     ds.close()
 
 
-class _FailsOnce:
+class _FailsOnce(_Wrapping):
     """A collate that raises on its third batch, once (persistent workers keep the count), after reading it."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.calls = inner, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["inner"], name)
 
     def __call__(self, samples: Any) -> Any:
         self.calls += 1
