@@ -41,7 +41,7 @@ from .layout import (
 # --- rebuilding ------------------------------------------------------------------------------------------------
 
 
-def _namedtuple_class(module: str, qualname: str, names: list[str]) -> type:
+def namedtuple_class(module: str, qualname: str, names: list[str]) -> type:
     """The original namedtuple class if its module is already imported, else an equivalent one made from the
     stored field names. Never imports: ``meta.json`` must not be able to make a reader run a module's code."""
     try:
@@ -95,7 +95,7 @@ def sample_builder(structure: Any) -> Callable[[Sequence[Any]], Any]:
         return lambda leaves: {k: p(leaves) for k, p in keyed}
 
     def record(spec: tuple[str, str, list[str]], parts: list[Callable], children: list[Any]) -> Callable:
-        cls = _namedtuple_class(*spec)
+        cls = namedtuple_class(*spec)
         return lambda leaves: cls(*[p(leaves) for p in parts])
 
     built: Callable[[Sequence[Any]], Any] = fold(structure, leaf=_leaf_getter, sequence=sequence, mapping=mapping,
@@ -114,7 +114,7 @@ def batch_builder(structure: Any) -> Callable[[Sequence[Any]], Any]:
         return lambda leaves: {k: p(leaves) for k, p in keyed}
 
     def record(spec: tuple[str, str, list[str]], parts: list[Callable], children: list[Any]) -> Callable:
-        cls = _namedtuple_class(*spec)
+        cls = namedtuple_class(*spec)
         return lambda leaves: cls(*[p(leaves) for p in parts])
 
     def sequence(kind: str, parts: list[Callable], children: list[Any]) -> Callable:

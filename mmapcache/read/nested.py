@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..format.codec import _namedtuple_class
+from ..format.codec import namedtuple_class
 from ..format.tree import fold
 
 __all__ = ["nested", "nested_fields"]
@@ -74,7 +74,7 @@ def _tree(node: Any, names: list[str]) -> Any:
         return dict(zip(keys, parts))
 
     def record(spec: Any, parts: list[Any], children: list[Any]) -> Any:
-        return _Record(_namedtuple_class(*spec), parts)
+        return _Record(namedtuple_class(*spec), parts)
 
     return fold(node, leaf=leaf, sequence=sequence, mapping=mapping, record=record)
 
