@@ -20,7 +20,16 @@ from torch.utils.data import DataLoader
 
 from helpers import tvlike
 from helpers.processes import another_process
-from mmapcache import LayoutError, MmapCachedDataset, PadCollate, Padded, UncachedFieldWarning, describe, verify
+from mmapcache import (
+    LayoutError,
+    MmapCachedDataset,
+    PadCollate,
+    Padded,
+    TextCollate,
+    UncachedFieldWarning,
+    describe,
+    verify,
+)
 from mmapcache.format.layout import MAX_FIELDS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -159,6 +168,22 @@ def test_pad_collate_pads_every_row_as_pad_sequence_does_short_long_and_empty(dt
             assert got.data.dtype == dtype and torch.equal(got.data, wanted), (longest, size)
             assert torch.equal(got.lengths, torch.from_numpy(lengths))
             assert torch.equal(got.mask, torch.arange(wanted.shape[1]) < got.lengths[:, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float32, torch.bfloat16])
+def test_a_built_mask_is_ones_for_each_value_then_zeros_at_any_width(dtype: torch.dtype) -> None:
+    """``TextCollate``'s built mask (``heap_batch.mask_of``: rows of ones copied from one kept array) against a
+    comparison of lengths: empty values, widths rounded up past the longest, and widths past the kept array's first
+    size (4,096), which grow it between batches."""
+    rng = np.random.default_rng(3)
+    for longest, multiple in ((0, None), (1, None), (9, 8), (700, None), (5000, 64), (300, None), (9000, None)):
+        lengths = np.append(rng.integers(0, longest + 1, 5), [0, longest])
+        collate = TextCollate(0, mask_dtype=dtype, build_mask=True, pad_to_multiple_of=multiple)
+        batch = collate([{"input_ids": torch.arange(n)} for n in lengths])
+        width = batch["input_ids"].shape[1]
+        assert width == (-(-longest // multiple) * multiple if multiple else longest)
+        wanted = (torch.arange(width) < torch.from_numpy(lengths)[:, None]).to(dtype)
+        assert batch["attention_mask"].dtype == dtype and torch.equal(batch["attention_mask"], wanted), longest
 
 
 def test_pad_collate_fields_are_checked(cache_path: str) -> None:
