@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -265,6 +266,31 @@ def test_verify_finds_an_index_row_of_a_ones_field_that_claims_bytes(cache_path:
     result = verify(cache_path, source)
     assert not result.ok
     assert any("row 3 holds [offset, extent, *shape]" in p for p in result.problems), result.problems
+
+
+def test_verify_reports_a_source_value_that_the_narrowed_type_cannot_hold(cache_path: str) -> None:
+    """Found by review: a source whose value no longer fits (2**32 + 17 would wrap to the stored 17's bits) was
+    counted as differing but verify said ok (its differences grouped only changes of layout)."""
+    class Changed(Tokenized):
+        def __init__(self, n: int, index: int, field: str, value: int) -> None:
+            super().__init__(n)
+            self.index, self.field, self.value = index, field, value
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            sample = super().__getitem__(i)
+            if i == self.index:
+                sample[self.field][-1] = self.value
+            return sample
+
+    with MmapCachedDataset(cache_path, Tokenized(N), store_as=NARROW) as ds:
+        ds.fill()
+    assert verify(cache_path, Tokenized(N)).ok
+    for field, value, message in (("input_ids", 2 ** 32 + 17, r"the value 4294967313 does not fit int32"),
+                                  ("attention_mask", 2, r"keeps only values that are all ones")):
+        result = verify(cache_path, Changed(N, 17, field, value))
+        assert not result.ok and result.differing == 1, (field, result)
+        assert len(result.differences) == 1 and re.match(rf"sample 17, field '{field}': .*{message}",
+                                                          result.differences[0]), result.differences
 
 
 def test_rewrites_and_a_mixture_with_an_unnarrowed_source_read_the_same_values(tmp_path: Any) -> None:

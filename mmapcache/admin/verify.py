@@ -327,10 +327,14 @@ def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, 
         try:
             sample = dataset[index]
             fresh = reader.check(sample, index)
-        except LayoutError:  # not this cache's layout: grouped by what differs, below
+        except LayoutError as exc:  # not this cache's layout: grouped by what differs, below
             result.compared += 1
+            found_any = False
             for stored_as, found in store.layout.differences(sample):
                 changed.setdefault((stored_as, found), []).append(index)
+                found_any = True
+            if not found_any:  # the layout's own, but a value it cannot hold (store_as: one that does not fit)
+                result.differences.append(str(exc) if str(exc).startswith("sample") else f"sample {index}: {exc}")
             result.differing += 1
             continue
         except Exception as exc:
