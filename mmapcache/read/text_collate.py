@@ -179,11 +179,11 @@ class TextCollate:
         if self.columns is not None and not named <= self.columns:
             raise ValueError(f"TextCollate names {sorted(named - self.columns)} to pad or copy, which its "
                              f"columns={sorted(self.columns)} leave out: add them to columns")
-        paths = self._kept(paths)
-        if self.labels is not None and _LABELS in paths:
+        if self.labels is not None and _LABELS in paths:  # (columns= leaving them out too: found by review)
+            keep = f" (and name {_LABELS!r} in columns=)" if self.columns is not None else ""
             raise ValueError(f"TextCollate(labels={self.labels!r}) would replace the samples' own {_LABELS!r} field "
-                             f"(prompt tokens masked with -100, say): leave labels= out, and their {_LABELS!r} are "
-                             f"padded with ignore_index ({self.ignore_index})")
+                             f"(prompt tokens masked with -100, say): leave labels= out{keep}, and their {_LABELS!r} "
+                             f"are padded with ignore_index ({self.ignore_index})")
 
     # --- over any samples -----------------------------------------------------------------------------------------
 
