@@ -239,3 +239,47 @@ def test_fields_of_the_same_lengths_get_equal_masks_each_its_own(cache_path: str
             ids.mask.zero_()
             assert torch.equal(mask.mask.sum(1), mask.lengths)
         assert not no_checked_gather
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_a_batch_whose_rows_a_writer_rewrote_between_two_fields_is_read_again(cache_path: str,
+                                                                              monkeypatch: pytest.MonkeyPatch,
+                                                                              flatten: bool) -> None:
+    """A rewrite (``stale="serve"``: ``refresh`` and ``fill`` in another process, as ``build --follow`` does) that
+    lands between the reads of ``input_ids`` and ``labels`` gives fields of different lengths. The batch must be
+    read again, consistent; a flattened batch raised "not as long as" instead (found by review, 1 epoch in ~16,000
+    batches under a real writer). Here the rewrite runs at that moment, in this process."""
+    from mmapcache.read import heap_batch
+
+    class Fresh(torch.utils.data.Dataset):  # each call: new tokens of a new length
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            self.calls += 1
+            ids = torch.arange(1 + (i + self.calls) % 13) + 100 * self.calls
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    ds = MmapCachedDataset(cache_path, Fresh(), deterministic=False, stale="serve")
+    ds.fill()
+    located = heap_batch.WarmRows.located
+    armed = [True]
+
+    def rewritten_after_the_first(self: Any, k: int) -> Any:
+        out = located(self, k)
+        if armed[0]:
+            armed[0] = False
+            ds.refresh(indices=list(range(8)))
+            ds.fill()
+        return out
+
+    monkeypatch.setattr(heap_batch.WarmRows, "located", rewritten_after_the_first)
+    batch = ds.read_batch(list(range(8)), pad=TextCollate(flatten=flatten))
+    assert not armed[0]  # (the rewrite ran between the fields)
+    stored = [ds[i] for i in range(8)]
+    wanted = TextCollate(flatten=flatten)(stored)
+    assert all(torch.equal(batch[key], wanted[key]) for key in ("input_ids", "labels")), (batch, wanted)
+    ds.close()

@@ -385,7 +385,12 @@ class TextCollate:
             if value is None:
                 return None
             rest[name] = value
-        batch = self._assemble(names, values, rest)
+        try:
+            batch = self._assemble(names, values, rest)
+        except ValueError:  # (fields of unequal lengths: a writer may have rewritten rows between their reads)
+            if warm.unchanged():
+                raise
+            return None
         return nested(warm.reader, batch) if warm.unchanged() else None
 
     def _warm_plan(self, reader: Any) -> tuple[list[str], list[tuple[str, int, torch.dtype]] | None,
