@@ -193,6 +193,39 @@ def test_a_float_that_float16_would_round_is_refused(cache_path: str) -> None:
     ds.close()
 
 
+def test_a_nan_is_stored_bit_for_bit_or_refused(cache_path: str) -> None:
+    """Found by review: float32 -> float16 widened a NaN made by arithmetic (inf - inf: sign bit set) without its sign
+    in ``ds[i]`` (torch's conversion; batches kept it), and a NaN whose payload float16 cannot hold was accepted
+    (compared with equal_nan), then read back as another NaN, so that every reopen called the source changed."""
+    class Nans(torch.utils.data.Dataset):
+        def __init__(self, payload: bool) -> None:
+            self.payload = payload
+
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            bits = [0x3F000000, 0x7FC00001 if self.payload and i == 3 else 0xFFC00000][: 1 + i % 2]
+            return {"x": torch.from_numpy(np.array(bits, np.uint32).view(np.float32).copy())}
+
+    def bits(t: torch.Tensor) -> list[int]:
+        return t.numpy().view(np.uint32).tolist()
+
+    source = Nans(False)
+    with MmapCachedDataset(cache_path, source, store_as={"x": "float16"}) as ds:
+        assert [bits(ds[i]["x"]) for i in range(4)] == [bits(source[i]["x"]) for i in range(4)]  # cold
+        assert [bits(ds[i]["x"]) for i in range(4)] == [bits(source[i]["x"]) for i in range(4)]  # warm
+        batch = next(iter(ds.loader(batch_size=4, collate_fn=TextCollate(fields=["x"]))))
+        assert bits(batch["x"][1])[:2] == [0x3F000000, 0xFFC00000]
+    assert verify(cache_path, source).ok
+    MmapCachedDataset(cache_path, source).close()  # (the same source: not refused as changed)
+    with MmapCachedDataset(cache_path + "-payload", Nans(True), store_as={"x": "float16"}) as ds:
+        with pytest.raises(LayoutError, match=r"sample 3, field 'x': the NaN 0x7fc00001 \(its payload\) is not "
+                                              r"exactly a float16"):
+            ds[3]
+        assert not ds.is_cached(3) and bits(ds[1]["x"]) == [0x3F000000, 0xFFC00000]
+
+
 @pytest.mark.parametrize("store_as, message", [
     ({"nope": "int32"}, r"store_as names unknown field\(s\) \['nope'\]; the sample's fields are 'input_ids', "),
     ({"label": "int8"}, r"store_as names field 'label', of kind int: it narrows the values of tensors, arrays, "),

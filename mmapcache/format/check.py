@@ -9,6 +9,7 @@ accept what it would refuse and never explain anything themselves.
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -128,11 +129,18 @@ def narrow_problem(field: Field, value: Any) -> str | None:
             return (f"the value {found} does not fit {target.name} (store_as; {info.min}..{info.max}): store the "
                     f"field as a wider type, or leave it out of store_as{_NEW_CACHE}")
         return None
-    narrowed = array.astype(target)
-    if not np.array_equal(narrowed.astype(array.dtype), array, equal_nan=True):
-        at = int(np.flatnonzero(narrowed.astype(array.dtype).reshape(-1) != array.reshape(-1))[0])
-        return (f"the value {array.reshape(-1)[at].item()!r} is not exactly a {target.name} (store_as would round "
-                f"it): store the field as a wider type, or leave it out of store_as{_NEW_CACHE}")
+    # Bit for bit, so a NaN whose payload the narrower type cannot hold is refused too (it would read back as
+    # another NaN, which the cache's own checks then call a changed source).
+    wide = np.ascontiguousarray(array).reshape(-1)
+    back = wide.astype(target).astype(wide.dtype)
+    differs = (back.view(np.uint8).reshape(len(wide), -1) != wide.view(np.uint8).reshape(len(wide), -1)).any(1)
+    if differs.any():
+        at = int(np.flatnonzero(differs)[0])
+        value = wide[at].item()
+        what = f"value {value!r}" if value == value else \
+            f"NaN 0x{int.from_bytes(wide[at:at + 1].tobytes(), sys.byteorder):x} (its payload)"
+        return (f"the {what} is not exactly a {target.name} (store_as would round it): store the field as a wider "
+                f"type, or leave it out of store_as{_NEW_CACHE}")
     return None
 
 

@@ -157,6 +157,9 @@ def leaf_converter(field: Field) -> Callable[[np.ndarray], Any]:
     from_numpy = torch.from_numpy
     target = torch_dtype(field)
     if field.stored is not None:
+        wide = field.np_dtype
+        if from_numpy(np.zeros(0, wide)).dtype == target:  # widened by numpy, as batches are (torch's float16 to
+            return lambda a: from_numpy(a.astype(wide))  # float32 drops a NaN's sign bit)
         return lambda a: from_numpy(a).to(target)
     if from_numpy(np.zeros(0, field.np_dtype)).dtype == target:
         return from_numpy
