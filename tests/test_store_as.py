@@ -241,6 +241,30 @@ def test_options_it_cannot_honour_are_refused_before_anything_is_created(cache_p
     assert not os.path.exists(cache_path)
 
 
+@pytest.mark.parametrize("options", [{"store_as": {"s": "int16"}}, {"store_as": {"s": "ones"}},
+                                     {"ragged": ["s", "ids"]}])
+def test_a_0_dim_tensor_is_refused_as_ragged_or_narrowed_before_anything_is_created(cache_path: str,
+                                                                                    options: dict[str, Any]) -> None:
+    """Found by review: a 0-dim tensor named in store_as (or ragged=) was accepted, and every read of it then said
+    the cache was damaged."""
+    samples = [{"s": torch.tensor(1), "ids": torch.arange(i + 1)} for i in range(4)]
+    with pytest.raises(LayoutError, match=r"field 's' is a 0-dim tensor \(one number a sample\): only values with "
+                                          r"dimensions are stored ragged or narrowed"):
+        MmapCachedDataset(cache_path, samples, **options)
+    assert not os.path.exists(cache_path)
+
+
+def test_a_dtype_name_of_the_other_byte_order_is_stored_in_this_machines(cache_path: str) -> None:
+    """Found by review: store_as={"input_ids": ">i4"} was stored as big-endian, and ds[i] then called the cache
+    damaged (torch takes no other byte order)."""
+    source = Tokenized(N)
+    with MmapCachedDataset(cache_path, source, store_as={"input_ids": ">i4", "attention_mask": "ones"}) as ds:
+        ds.fill()
+        assert all(same(ds[i], source[i]) for i in range(N))
+        assert describe(cache_path)["fields"][0]["stored"] == "int32"
+    MmapCachedDataset(cache_path, source, store_as=NARROW).close()  # (the same storage: not refused)
+
+
 def test_a_bfloat16_field_and_max_shapes_are_refused(cache_path: str) -> None:
     class Bf(torch.utils.data.Dataset):
         def __len__(self) -> int:

@@ -270,7 +270,7 @@ def _stored_as(field: Field, how: Any) -> Field:
                               "out), or give it as float32 or int64")
         return replace(field, ones=True)
     try:
-        target = np.dtype(how)
+        target = np.dtype(how).newbyteorder("=")  # ('>i4': the width asked for, stored in this machine's order)
     except TypeError:
         raise LayoutError(f"store_as={{{field.name!r}: {how!r}}}: not a numpy dtype name ('int32', 'uint8', "
                           "'float16'...) nor 'ones'") from None
@@ -309,6 +309,10 @@ def _ragged_field(field: Field, shapes: set[tuple[int, ...]], declared: bool) ->
     if not field.shape and field.kind not in (TENSOR, NDARRAY, PYLIST):
         raise LayoutError(f"field {field.name!r} is a {field.kind}, which has no shape; only arrays, tensors and "
                           "lists can be ragged: remove it from ragged=")
+    if not field.shape and declared:  # (a heap's values have one dimension or more; found by review)
+        raise LayoutError(f"field {field.name!r} is a 0-dim {field.kind} (one number a sample): only values with "
+                          "dimensions are stored ragged or narrowed: remove it from ragged= and store_as (or give "
+                          "it as a 1-element value)")
     ndims = {len(s) for s in shapes}
     if len(ndims) > 1:
         raise LayoutError(
