@@ -265,6 +265,27 @@ def test_a_dtype_name_of_the_other_byte_order_is_stored_in_this_machines(cache_p
     MmapCachedDataset(cache_path, source, store_as=NARROW).close()  # (the same storage: not refused)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_index_the_cache_never_stores_is_served_whatever_store_as_holds(cache_path: str, workers: int) -> None:
+    """A partial cache (cache_indices): a value past the narrowed type at an index it never stores is served as the
+    source gives it, in a batch as by ``ds[i]``; found by review, batches refused it as if it were to be stored."""
+    class Wide(Tokenized):
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            sample = super().__getitem__(i)
+            if i % 2:
+                sample["input_ids"][0] = 2 ** 40
+            return sample
+
+    source = Wide(16)
+    with MmapCachedDataset(cache_path, source, store_as=NARROW, cache_indices=range(0, 16, 2)) as ds:
+        assert same(ds[3], source[3])
+        got = list(ds.loader(batch_size=4, num_workers=workers, collate_fn=TextCollate(0)))
+        assert all(same(batch, TextCollate(0)([source[i] for i in range(k, k + 4)]))
+                   for batch, k in zip(got, range(0, 16, 4)))
+        assert same(ds.read_batch([1, 2, 3], pad=TextCollate(0)), TextCollate(0)([source[i] for i in (1, 2, 3)]))
+        assert ds.num_cached == 8
+
+
 def test_a_bfloat16_field_and_max_shapes_are_refused(cache_path: str) -> None:
     class Bf(torch.utils.data.Dataset):
         def __len__(self) -> int:

@@ -52,8 +52,8 @@ def _annotate(exc: Exception, index: int, path: str) -> None:
 def checker(check_finite: bool) -> Callable[[RowReader, Any, int], list[Any]]:
     """``(reader, sample, index) -> values``: the layout's check, and with ``check_finite`` a refusal of NaN and
     infinities naming the sample and field."""
-    def checked(reader: RowReader, sample: Any, index: int) -> list[Any]:
-        values = reader.check(sample, index)
+    def checked(reader: RowReader, sample: Any, index: int, stored: bool = True) -> list[Any]:
+        values = (reader.check if stored else reader.check_served)(sample, index)
         if check_finite:
             for field, value in zip(reader.fields, values):
                 if not _finite(field, value):
@@ -246,7 +246,7 @@ class Misses:
                     self.require_source(index, row)
                     try:
                         sample = self.fetch(index)
-                        values = self.checked(reader, sample, index)
+                        values = self.checked(reader, sample, index, row >= 0)
                     except Exception as exc:
                         if on_error is None:
                             raise
@@ -331,7 +331,7 @@ class Misses:
         for k, sample in zip(todo, samples):
             index = int(idx[k])
             try:
-                values = self.checked(self.reader, sample, index)
+                values = self.checked(self.reader, sample, index, rows[k] >= 0)
             except Exception as exc:
                 if on_error is None:
                     raise

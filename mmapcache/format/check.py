@@ -53,8 +53,8 @@ class Slow(Exception):
     """Internal: the fast check met something unusual; ``Layout.check`` decides (and explains)."""
 
 
-def compile_checker(layout: Layout, path: str = "PATH",
-                    refused: Callable[[LayoutError, int], Exception] | None = None) -> Callable[[Any, int], list[Any]]:
+def compile_checker(layout: Layout, path: str = "PATH", refused: Callable[[LayoutError, int], Exception] | None = None,
+                    *, narrow: bool = True) -> Callable[[Any, int], list[Any]]:
     """A function equivalent to ``layout.check`` for well-formed samples, about 10x faster.
 
     It walks the known structure with exact type tests and compares each leaf's dtype and shape directly; on
@@ -62,10 +62,11 @@ def compile_checker(layout: Layout, path: str = "PATH",
     form, such as a tensor that requires grad). Scalar fields yield Python or numpy scalars, array fields numpy
     arrays (possibly views of the source's tensors). ``refused(error, index)``, if given, says what to raise
     instead of a ``LayoutError`` (the error itself, or another raised from it: a cache whose own layout is damaged).
+    ``narrow=False`` leaves out whether narrowed fields' values fit their stored type (a sample served, not stored).
     """
     walk = compile_walk(layout.structure)
     leaf_checks = [_compile_leaf(f) for f in layout.fields if f.kind != JSON]
-    narrowed = [(number, f) for number, f in enumerate(layout.fields) if f.stored is not None or f.ones]
+    narrowed = [(number, f) for number, f in enumerate(layout.fields) if narrow and (f.stored is not None or f.ones)]
     # A tensor subclass's attributes become the value of its metadata field (they follow the structure's fields).
     described = [(number, f.name) for number, f in enumerate(layout.fields) if f.metadata is not None]
 

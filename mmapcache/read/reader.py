@@ -58,7 +58,7 @@ from .ragged import (
 _RETRIES = 4
 
 
-def _checker(store: Store) -> Callable[[Any, int], list[Any]]:
+def _checker(store: Store, narrow: bool = True) -> Callable[[Any, int], list[Any]]:
     """The layout's check of one sample (``format.check``). A sample it refuses is the source's fault
     (``LayoutError``) unless the cache's own rows contradict the layout ``meta.json`` records: then that file is
     damaged, whoever computed the sample (a miss, a build worker, a producer, an opener comparing samples)."""
@@ -68,7 +68,7 @@ def _checker(store: Store) -> Callable[[Any, int], list[Any]]:
             return exc
         return CacheFormatError(f"{damage}; the file is damaged (sample {index} did not fit it either: {exc}). "
                                 "Remove the cache (`mmapcache rm --force`) and build it again")
-    return compile_checker(store.layout, store.path, refused)
+    return compile_checker(store.layout, store.path, refused, narrow=narrow)
 
 
 class RowReader:
@@ -87,6 +87,9 @@ class RowReader:
         self.wrap = subclass_wrapper(layout)
         self.build = sample_builder(layout.structure)
         self.check = _checker(store)
+        # A sample served but never stored (an index outside cache_indices): its values need not fit store_as.
+        self.check_served = _checker(store, narrow=False) if any(f.stored or f.ones for f in self.fields) \
+            else self.check
         # A batch of misses checked and written into the batch's columns at once (plain fields, no max_shapes).
         self.fill_batch = compile_batch_filler(layout) if not self.variable else None
         self.build_batch = batch_builder(layout.structure)
