@@ -49,8 +49,9 @@ def _annotate(exc: Exception, index: int, path: str) -> None:
     exc.add_note(f"mmapcache: raised by the source dataset computing sample {index} for the cache at {path}")
 
 
-def checker(check_finite: bool) -> Callable[[RowReader, Any, int], list[Any]]:
-    """``(reader, sample, index) -> values``: the layout's check, and with ``check_finite`` a refusal of NaN and
+def checker(check_finite: bool) -> Callable[..., list[Any]]:
+    """``(reader, sample, index, stored=True) -> values``: the layout's check (``stored=False``: a sample served,
+    never stored, whose values need not fit ``store_as``), and with ``check_finite`` a refusal of NaN and
     infinities naming the sample and field."""
     def checked(reader: RowReader, sample: Any, index: int, stored: bool = True) -> list[Any]:
         values = (reader.check if stored else reader.check_served)(sample, index)
