@@ -338,6 +338,20 @@ def test_a_flattened_batch_leaves_empty_samples_out_of_its_boundaries_as_hugging
         TextCollate(flatten=True, pad_to_multiple_of=8)
 
 
+def test_a_flattened_batch_of_no_1_d_tokens_is_refused_on_every_path(cache_path: str) -> None:
+    """Found by review: samples of ``(1, n)`` ids (a tokenizer's ``return_tensors="pt"``) gave a "flat" batch of the
+    stacked ids with ``cu_seq_lens`` [0] and no positions, which a model then failed on far from the cause."""
+    samples = [{"input_ids": torch.arange(3 + i)[None] + 5} for i in range(4)]
+    refused = r"finds no 1-D field of numbers to flatten among \['input_ids'\].*return_tensors='pt' gives \(1, n\)"
+    with pytest.raises(ValueError, match=refused):
+        TextCollate(flatten=True)(samples)
+    with MmapCachedDataset(cache_path, samples) as ds:
+        for _state in ("cold", "warm"):
+            with pytest.raises(ValueError, match=refused):
+                next(iter(ds.loader(batch_size=2, collate_fn=TextCollate(flatten=True))))
+            ds.fill()
+
+
 @pytest.mark.parametrize("columns", [None, ["input_ids", "label"]])
 def test_ranks_and_a_resume_at_every_step_serve_the_sources_values(cache_path: str, columns: list[str] | None) -> None:
     source = Tokenized(N)

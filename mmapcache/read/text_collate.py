@@ -210,6 +210,8 @@ class TextCollate:
             lengths = np.array([len(a) for a in arrays], np.int64)
             flat = np.concatenate(arrays) if arrays else np.empty(0, np.int64)
             values[name] = (_located(flat, lengths), _torch_dtype(column, flat))
+        if self.flatten and not values:
+            raise _nothing_to_flatten(names)
         rest = {n: _collated([s[n] for s in samples]) for n in names if n not in values and not (
             n == self.attention_mask and (self._builds(names) or self.flatten))}
         return self._assemble(names, values, rest)
@@ -327,7 +329,9 @@ class TextCollate:
               rest: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         source = self._mask_source(values)
-        lengths = values[source][0].lengths if source is not None else np.zeros(0, np.int64)
+        if source is None:
+            raise _nothing_to_flatten(names)
+        lengths = values[source][0].lengths
         made = self.labels if self.labels is not None else _LABELS if _LABELS in values else None
         if arena.active():  # (a worker's batch: its tensors in one shared storage)
             sizes = [dtype.itemsize for name, (_, dtype) in values.items() if name in names] + [8]  # (positions)
@@ -448,6 +452,13 @@ class TextCollate:
             else:
                 rest[field.name] = reader._batch_converters[k](columns[k])
         return nested(reader, self._assemble(names, values, rest))
+
+
+def _nothing_to_flatten(names: list[str]) -> ValueError:
+    """A flattened batch with no row of tokens: its cu_seq_lens would say it holds none, whatever it holds."""
+    return ValueError(f"TextCollate(flatten=True) finds no 1-D field of numbers to flatten among {names}: give each "
+                      "sample's token ids as a 1-D tensor, array or list (a tokenizer's return_tensors='pt' gives "
+                      "(1, n): squeeze(0) them, or leave return_tensors out)")
 
 
 def _collated(values: list[Any]) -> Any:
