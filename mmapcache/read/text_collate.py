@@ -67,6 +67,7 @@ __all__ = ["TextCollate"]
 
 _LABELS = "labels"
 _CLASS_LABELS = ("label", "label_ids")  # what Hugging Face's collators return as labels
+_TOKEN_LABELS = "label_ids"  # token labels of that name: a flattened batch's labels (as Hugging Face's)
 # Fields a Hugging Face tokenizer returns besides ids and mask, padded as its ``pad()`` pads them (not with the pad
 # id: a RoBERTa's pad id 1 is no token type of its one).
 _TOKENIZER_PADS = {"token_type_ids": 0, "special_tokens_mask": 1}
@@ -100,14 +101,18 @@ class TextCollate:
             ``attention_mask=None``. What the collate makes is added: a built mask, ``labels``, a flattened batch's
             positions and boundaries.
         rename_labels: return a ``label`` or ``label_ids`` field as ``labels`` in a padded batch that has no
-            ``labels`` (see the module docstring); False keeps its name.
+            ``labels`` (see the module docstring), and a flattened batch's token ``label_ids`` as ``labels``, each
+            sample's first masked as ``labels`` are; False keeps its name.
+        position_ids_start: a flattened batch's first position of each sample (0; 2 for RoBERTa-like models, whose
+            positions start past their padding index), as Hugging Face's ``DataCollatorWithFlattening`` takes it.
     """
 
     def __init__(self, pad: int | Mapping[str, int] = 0, *, attention_mask: str | None = "attention_mask",
                  mask_dtype: torch.dtype = torch.int64, mask_from: str | None = None, build_mask: bool = False,
                  labels: str | None = None, ignore_index: int = -100, flatten: bool = False,
                  pad_to_multiple_of: int | None = None, fields: Iterable[str] | None = None,
-                 columns: Iterable[str] | None = None, rename_labels: bool = True) -> None:
+                 columns: Iterable[str] | None = None, rename_labels: bool = True,
+                 position_ids_start: int = 0) -> None:
         pad = _pad_of_tokenizer(pad)
         if isinstance(pad, Mapping):
             if not all(isinstance(k, str) and _is_int(v) for k, v in pad.items()):
@@ -124,6 +129,11 @@ class TextCollate:
                 raise TypeError(f"{name} must be a field name (str) or None, got {value!r}")
         if not _is_int(ignore_index):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+        if not _is_int(position_ids_start) or position_ids_start < 0:
+            raise ValueError(f"position_ids_start must be an int >= 0, got {position_ids_start!r}")
+        if position_ids_start and not flatten:
+            raise ValueError("position_ids_start is where a flattened batch's positions start; a padded batch has "
+                             "none (the model numbers its rows): pass flatten=True, or leave it out")
         if pad_to_multiple_of is not None and (not _is_int(pad_to_multiple_of) or pad_to_multiple_of < 1):
             raise ValueError(f"pad_to_multiple_of must be an int >= 1, got {pad_to_multiple_of!r}")
         if pad_to_multiple_of is not None and flatten:
@@ -143,6 +153,7 @@ class TextCollate:
         self.fields = None if fields is None else list(fields)
         self.columns = None if columns is None else frozenset(columns)
         self.rename_labels = bool(rename_labels)
+        self.position_ids_start = int(position_ids_start)
         self._kept_plans: dict[int, tuple[list[Any], Any]] = {}  # (see ``_warm_plan``)
 
     def pad_of(self, name: str) -> int:
@@ -332,7 +343,8 @@ class TextCollate:
         if source is None:
             raise _nothing_to_flatten(names)
         lengths = values[source][0].lengths
-        made = self.labels if self.labels is not None else _LABELS if _LABELS in values else None
+        made = self.labels if self.labels is not None else _LABELS if _LABELS in values else _TOKEN_LABELS if (
+            self.rename_labels and _TOKEN_LABELS in values) else None
         if arena.active():  # (a worker's batch: its tensors in one shared storage)
             sizes = [dtype.itemsize for name, (_, dtype) in values.items() if name in names] + [8]  # (positions)
             if made is not None:
@@ -354,11 +366,17 @@ class TextCollate:
         if len(lengths) and not lengths.all():  # (as Hugging Face's: an empty sample is no sequence of the row)
             cu = np.concatenate([cu[:1], cu[1:][lengths > 0]])
         out["position_ids"] = positions(lengths)[None]
+        if self.position_ids_start:
+            out["position_ids"] += self.position_ids_start
         if made is not None:  # no sample's first token predicts across the one before it
             tokens = out[made]
             labels = arena.like(tokens, _label_dtype(tokens.dtype)).copy_(tokens)
             labels[0, torch.from_numpy(cu[:-1].astype(np.int64))] = self.ignore_index
-            out[_LABELS] = labels
+            if made == _TOKEN_LABELS and self.labels is None:  # (renamed, as a padded batch's are)
+                out = {(_LABELS if key == made else key): (labels if key == made else value)
+                       for key, value in out.items()}
+            else:
+                out[_LABELS] = labels
         longest = int(lengths.max()) if len(lengths) else 0
         cu_tensor = torch.from_numpy(cu)
         out.update(cu_seq_lens_q=cu_tensor, cu_seq_lens_k=cu_tensor, max_length_q=longest, max_length_k=longest,
