@@ -362,6 +362,17 @@ def test_a_flattened_batch_starts_positions_where_asked_and_takes_token_label_id
         TextCollate(position_ids_start=2)
 
 
+@pytest.mark.parametrize("flatten", [False, True])
+def test_an_empty_tensor_takes_the_other_values_dtype(flatten: bool) -> None:
+    """``torch.tensor([])`` is float32: first in a batch of int64 ids it made the batch's ids float32 (review; a
+    model's embedding then refuses them). An empty value has no dtype of its own to give."""
+    samples = [{"input_ids": torch.tensor([])}, {"input_ids": torch.tensor([5, 6, 7])}]
+    ids = TextCollate(flatten=flatten)(samples)["input_ids"]
+    assert ids.dtype == torch.int64 and ids.tolist() == ([[5, 6, 7]] if flatten else [[0, 0, 0], [5, 6, 7]])
+    empty = TextCollate()([{"score": np.zeros(0, np.float32)}, {"score": np.zeros(0, np.float32)}])["score"]
+    assert empty.dtype == torch.float32 and empty.shape == (2, 0)  # (none holds a value: their own dtype)
+
+
 def test_a_flattened_batch_of_no_1_d_tokens_is_refused_on_every_path(cache_path: str) -> None:
     """Found by review: samples of ``(1, n)`` ids (a tokenizer's ``return_tensors="pt"``) gave a "flat" batch of the
     stacked ids with ``cu_seq_lens`` [0] and no positions, which a model then failed on far from the cause."""

@@ -574,11 +574,13 @@ def _one_dim(field: Any) -> bool:
 
 
 def _arrays(values: list[Any]) -> list[np.ndarray]:
-    """A field's values as numpy arrays; empty lists take the others' dtype (numpy would make them float64)."""
+    """A field's values as numpy arrays; empty ones take the others' dtype (numpy makes an empty list float64, torch
+    an empty tensor float32)."""
     arrays = [_as_numpy(v) for v in values]
-    lists = [a for v, a in zip(values, arrays) if not (isinstance(v, list) and not v)]
+    lists = [a for a in arrays if a.size]
     if len(lists) != len(arrays):
-        dtype = np.result_type(*lists) if lists else np.dtype(np.int64)
+        typed = [a for v, a in zip(values, arrays) if not isinstance(v, list)]  # (all empty: an array's dtype)
+        dtype = np.result_type(*lists) if lists else typed[0].dtype if typed else np.dtype(np.int64)
         arrays = [a.astype(dtype, copy=False) for a in arrays]
     return arrays
 
@@ -593,8 +595,11 @@ def _as_numpy(value: Any) -> np.ndarray:
 
 
 def _torch_dtype(column: list[Any], flat: np.ndarray) -> torch.dtype:
-    if isinstance(column[0], torch.Tensor):
-        return column[0].dtype
+    """The padded field's dtype: its first non-empty tensor's (``torch.tensor([])`` is float32 whatever the others
+    hold), else the values' numpy one."""
+    tensors = [value for value in column if isinstance(value, torch.Tensor)]
+    if tensors:
+        return next((t.dtype for t in tensors if t.numel()), tensors[0].dtype)
     return torch.from_numpy(np.zeros(0, flat.dtype)).dtype
 
 
