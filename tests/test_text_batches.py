@@ -338,26 +338,20 @@ def test_a_flattened_batch_leaves_empty_samples_out_of_its_boundaries_as_hugging
         TextCollate(flatten=True, pad_to_multiple_of=8)
 
 
-def test_a_flattened_batch_starts_positions_where_asked_and_takes_token_label_ids_as_labels(cache_path: str) -> None:
-    """``position_ids_start`` as Hugging Face's flattening collator takes it (RoBERTa-like models: 2), and token
-    labels named ``label_ids`` returned as ``labels`` with each sample's first masked, as a padded batch renames them
-    (review: they were left as they were, unmasked, and the batch had no labels). Over samples and from a cache."""
+def test_a_flattened_batch_starts_positions_where_asked(cache_path: str) -> None:
+    """``position_ids_start`` as Hugging Face's flattening collator takes it (RoBERTa-like models: 2), over samples
+    and from a cache, cold and warm, with two workers (the positions are shifted in the worker's shared memory)."""
     transformers = pytest.importorskip("transformers")
-    samples = [{"input_ids": torch.arange(2 + i) + 5, "label_ids": torch.arange(2 + i) + 50} for i in range(4)]
-    theirs = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, position_ids_start=2)(
-        [{"input_ids": s["input_ids"]} for s in samples])
+    samples = [{"input_ids": torch.arange(2 + i) + 5} for i in range(4)]
+    theirs = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, position_ids_start=2)(samples)
+    collate = TextCollate(flatten=True, labels="input_ids", position_ids_start=2)
     with MmapCachedDataset(cache_path, samples) as ds:
         for _state in ("cold", "warm"):
-            for ours in (TextCollate(flatten=True, position_ids_start=2)(samples),
-                         next(iter(ds.loader(batch_size=4, collate_fn=TextCollate(flatten=True,
-                                                                                  position_ids_start=2))))):
-                assert torch.equal(ours["position_ids"], theirs["position_ids"])
-                assert "label_ids" not in ours and ours["labels"].tolist() == [
-                    [-100, 51, -100, 51, 52, -100, 51, 52, 53, -100, 51, 52, 53, 54]]
+            for ours in (collate(samples), next(iter(ds.loader(batch_size=4, collate_fn=collate))),
+                         next(iter(ds.loader(batch_size=4, collate_fn=collate, num_workers=2)))):
+                for key in ("input_ids", "position_ids", "labels", "cu_seq_lens_q"):
+                    assert torch.equal(ours[key], theirs[key]), key
             ds.fill()
-    kept = TextCollate(flatten=True, rename_labels=False)(samples)
-    assert "labels" not in kept and kept["label_ids"].tolist() == [[50, 51, 50, 51, 52, 50, 51, 52, 53, 50, 51, 52,
-                                                                    53, 54]]
     with pytest.raises(ValueError, match="position_ids_start is where a flattened batch's positions start"):
         TextCollate(position_ids_start=2)
 

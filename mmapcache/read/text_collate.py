@@ -67,7 +67,6 @@ __all__ = ["TextCollate"]
 
 _LABELS = "labels"
 _CLASS_LABELS = ("label", "label_ids")  # what Hugging Face's collators return as labels
-_TOKEN_LABELS = "label_ids"  # token labels of that name: a flattened batch's labels (as Hugging Face's)
 # Fields a Hugging Face tokenizer returns besides ids and mask, padded as its ``pad()`` pads them (not with the pad
 # id: a RoBERTa's pad id 1 is no token type of its one).
 _TOKENIZER_PADS = {"token_type_ids": 0, "special_tokens_mask": 1}
@@ -101,8 +100,7 @@ class TextCollate:
             ``attention_mask=None``. What the collate makes is added: a built mask, ``labels``, a flattened batch's
             positions and boundaries.
         rename_labels: return a ``label`` or ``label_ids`` field as ``labels`` in a padded batch that has no
-            ``labels`` (see the module docstring), and a flattened batch's token ``label_ids`` as ``labels``, each
-            sample's first masked as ``labels`` are; False keeps its name.
+            ``labels`` (see the module docstring); False keeps its name.
         position_ids_start: a flattened batch's first position of each sample (0; 2 for RoBERTa-like models, whose
             positions start past their padding index), as Hugging Face's ``DataCollatorWithFlattening`` takes it.
     """
@@ -343,8 +341,7 @@ class TextCollate:
         if source is None:
             raise _nothing_to_flatten(names)
         lengths = values[source][0].lengths
-        made = self.labels if self.labels is not None else _LABELS if _LABELS in values else _TOKEN_LABELS if (
-            self.rename_labels and _TOKEN_LABELS in values) else None
+        made = self.labels if self.labels is not None else _LABELS if _LABELS in values else None
         if arena.active():  # (a worker's batch: its tensors in one shared storage)
             sizes = [dtype.itemsize for name, (_, dtype) in values.items() if name in names] + [8]  # (positions)
             if made is not None:
@@ -372,11 +369,7 @@ class TextCollate:
             tokens = out[made]
             labels = arena.like(tokens, _label_dtype(tokens.dtype)).copy_(tokens)
             labels[0, torch.from_numpy(cu[:-1].astype(np.int64))] = self.ignore_index
-            if made == _TOKEN_LABELS and self.labels is None:  # (renamed, as a padded batch's are)
-                out = {(_LABELS if key == made else key): (labels if key == made else value)
-                       for key, value in out.items()}
-            else:
-                out[_LABELS] = labels
+            out[_LABELS] = labels
         longest = int(lengths.max()) if len(lengths) else 0
         cu_tensor = torch.from_numpy(cu)
         out.update(cu_seq_lens_q=cu_tensor, cu_seq_lens_k=cu_tensor, max_length_q=longest, max_length_k=longest,
