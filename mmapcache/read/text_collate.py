@@ -588,11 +588,11 @@ def _as_numpy(value: Any) -> np.ndarray:
 
 
 def _torch_dtype(column: list[Any], flat: np.ndarray) -> torch.dtype:
-    """The padded field's dtype: its first non-empty tensor's (``torch.tensor([])`` is float32 whatever the others
-    hold), else the values' numpy one."""
-    tensors = [value for value in column if isinstance(value, torch.Tensor)]
-    if tensors:
-        return next((t.dtype for t in tensors if t.numel()), tensors[0].dtype)
+    """The padded field's dtype: its first non-empty value's, a tensor's own (``torch.tensor([])`` is float32
+    whatever the others hold: an empty value gives its dtype only where every one is empty), else numpy's."""
+    first = next((value for value in column if len(value)), column[0])
+    if isinstance(first, torch.Tensor):
+        return first.dtype
     return torch.from_numpy(np.zeros(0, flat.dtype)).dtype
 
 
