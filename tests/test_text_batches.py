@@ -365,6 +365,8 @@ def test_an_empty_tensor_takes_the_other_values_dtype(flatten: bool) -> None:
     assert ids.dtype == torch.int64 and ids.tolist() == ([[5, 6, 7]] if flatten else [[0, 0, 0], [5, 6, 7]])
     ids = TextCollate(flatten=flatten)([samples[0], {"input_ids": [2 ** 60 + 1]}])["input_ids"]  # (a list after it)
     assert ids.dtype == torch.int64 and ids.tolist()[-1][-1] == 2 ** 60 + 1
+    padded = PadCollate(0)([samples[0], {"input_ids": torch.tensor([2 ** 60 + 1])}])["input_ids"].data
+    assert padded.dtype == torch.int64 and padded.tolist() == [[0], [2 ** 60 + 1]]  # (PadCollate alike)
     empty = TextCollate()([{"score": np.zeros(0, np.float32)}, {"score": np.zeros(0, np.float32)}])["score"]
     assert empty.dtype == torch.float32 and empty.shape == (2, 0)  # (none holds a value: their own dtype)
 

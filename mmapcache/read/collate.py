@@ -92,10 +92,14 @@ class PadCollate:
         seen.add(path or "<sample>")
         if (isinstance(first, (torch.Tensor, np.ndarray)) or numbers) and self._pads(path, values):
             arrays = _as_arrays(values) if numbers else [_as_numpy(v) for v in values]
+            full = [k for k, a in enumerate(arrays) if a.size]
+            if full and len(full) < len(arrays):  # empty values take the others' dtype (torch.tensor([]): float32)
+                dtype = np.result_type(*[arrays[k] for k in full])
+                arrays = [a.astype(dtype, copy=False) for a in arrays]
             counts = np.array([a.size for a in arrays], np.int64)
             flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.empty(0)
             shapes = np.array([a.shape for a in arrays], np.int64).reshape(len(arrays), -1)
-            return self.pad(flat, counts, shapes, _torch_dtype(first))
+            return self.pad(flat, counts, shapes, _torch_dtype(values[full[0]] if full else first))
         return default_collate(values)
 
     def _pads(self, path: str, values: list[Any]) -> bool:
