@@ -374,7 +374,7 @@ def test_an_empty_tensor_takes_the_other_values_dtype(flatten: bool) -> None:
 def test_a_flattened_batch_of_no_1_d_tokens_is_refused_on_every_path(cache_path: str) -> None:
     """Found by review: samples of ``(1, n)`` ids (a tokenizer's ``return_tensors="pt"``) gave a "flat" batch of the
     stacked ids with ``cu_seq_lens`` [0] and no positions, which a model then failed on far from the cause."""
-    samples = [{"input_ids": torch.arange(3 + i)[None] + 5} for i in range(4)]
+    samples = [{"input_ids": torch.arange(3)[None] + 5 + i} for i in range(4)]  # (of other n: refused as (1, n))
     refused = r"finds no 1-D field of numbers to flatten among \['input_ids'\].*return_tensors='pt' gives \(1, n\)"
     with pytest.raises(ValueError, match=refused):
         TextCollate(flatten=True)(samples)
@@ -383,6 +383,29 @@ def test_a_flattened_batch_of_no_1_d_tokens_is_refused_on_every_path(cache_path:
             with pytest.raises(ValueError, match=refused):
                 next(iter(ds.loader(batch_size=2, collate_fn=TextCollate(flatten=True))))
             ds.fill()
+
+
+def test_values_of_shape_1_n_are_refused_naming_return_tensors_on_every_path(cache_path: str) -> None:
+    """A tokenizer's ``return_tensors="pt"`` per sample gives ``(1, n)`` values. Found by a new user's trial: from a
+    cache a padded batch held them as a list (the model failed far from the cause) where over the samples
+    default_collate raised, and ``ds.lengths`` said every sample was 1 long, so length grouping did nothing."""
+    samples = [{"input_ids": torch.arange(3 + i)[None], "attention_mask": torch.ones(1, 3 + i, dtype=torch.int64)}
+               for i in range(8)]
+    refused = r"field 'input_ids' holds values of shapes \(1, 3\), \(1, 4\)\.\.\.: a tokenizer's return_tensors="
+    with pytest.raises(ValueError, match=refused):
+        TextCollate()(samples[:4])
+    with pytest.raises(ValueError, match=r"only 1-D values are: a tokenizer's return_tensors='pt' gives \(1, n\)"):
+        TextCollate(labels="input_ids")(samples[:4])
+    with MmapCachedDataset(cache_path, samples) as ds:
+        for workers in (0, 2):
+            with pytest.raises(ValueError, match=refused):
+                next(iter(ds.loader(batch_size=4, collate_fn=TextCollate(), num_workers=workers)))
+            ds.fill()
+        with pytest.raises(ValueError, match=r"holds values of shape \(1, n\) .*whose lengths \(first dimension\) are "
+                                             r"all 1"):
+            ds.lengths("input_ids")
+    square = [{"input_ids": torch.arange(4)[None] + i} for i in range(4)]  # (one shape: stacked, as before)
+    assert TextCollate()(square)["input_ids"].shape == (4, 1, 4)
 
 
 @pytest.mark.parametrize("columns", [None, ["input_ids", "label"]])

@@ -57,6 +57,11 @@ def sample_lengths(reader: Any, rows: np.ndarray, field: str, where: str) -> np.
         table = reader.store.index[k] if spec.ragged else reader.shapes[k]
         lengths = table[:, 2 if spec.ragged else 0].take(rows)
         if state.changes[0] == counter:
+            if spec.ragged and len(spec.shape) > 1 and len(rows) and not (lengths - 1).any() and (
+                    table[:, 3].take(rows) != table[rows[0], 3]).any():
+                raise ValueError(f"field {field!r} of {where} holds values of shape (1, n) (as a tokenizer's "
+                                 "return_tensors='pt' gives them), whose lengths (first dimension) are all 1: "
+                                 "return 1-D token ids from the dataset (squeeze(0), or leave return_tensors out)")
             return lengths.astype(np.int64, copy=False)
     raise SampleNotCachedError(f"{where}: writers changed the cache {_TRIES} times while the lengths were read; "
                                "read them when it is filled")

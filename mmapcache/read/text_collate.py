@@ -219,6 +219,9 @@ class TextCollate:
             lengths = np.array([len(a) for a in arrays], np.int64)
             flat = np.concatenate(arrays) if arrays else np.empty(0, np.int64)
             values[name] = (_located(flat, lengths), _torch_dtype(column, flat))
+        for name in names:
+            if name not in values:
+                _refuse_rows_of_one([s[name] for s in samples], name)
         if self.flatten and not values:
             raise _nothing_to_flatten(names)
         rest = {n: _collated([s[n] for s in samples]) for n in names if n not in values and not (
@@ -255,7 +258,8 @@ class TextCollate:
         if self.labels is not None and self.labels not in padded:
             raise ValueError(f"TextCollate(labels={self.labels!r}) must name a padded field, one of {padded} (a "
                              "field of numbers of one length in every sample is padded too; fields=[...] names "
-                             "others)")
+                             "others; only 1-D values are: a tokenizer's return_tensors='pt' gives (1, n), "
+                             "squeeze(0) them)")
         source = self.mask_from
         if self._builds(names) and not self.flatten and padded and source is not None and source not in padded:
             raise ValueError(f"TextCollate(mask_from={source!r}) must name a padded field, one of {padded}")
@@ -273,6 +277,9 @@ class TextCollate:
                   rest: dict[str, Any]) -> dict[str, Any]:
         """The batch from each padded field's values (``Located``: in the samples' arrays or in a cache's heaps,
         copied once here, never handed out) and its torch dtype, and the other fields collated."""
+        for name, value in rest.items():  # (from a cache: a ragged field of more dimensions comes as a list)
+            if isinstance(value, list):
+                _refuse_rows_of_one(value, name)
         if self.flatten:
             return self._flat(names, values, rest)
         out: dict[str, Any] = {}
@@ -463,6 +470,20 @@ class TextCollate:
             else:
                 rest[field.name] = reader._batch_converters[k](columns[k])
         return nested(reader, self._assemble(names, values, rest))
+
+
+def _refuse_rows_of_one(values: list[Any], name: str) -> None:
+    """A ValueError if ``values`` are tensors or arrays of shape ``(1, n)`` (more dimensions alike) of different
+    ``n``: a tokenizer's ``return_tensors="pt"`` per sample. Nothing pads them (``default_collate`` refuses them, a
+    cache would hand them back as a list), and a model takes neither."""
+    if not values or not all(isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim > 1 and v.shape[0] == 1
+                             for v in values):
+        return
+    shapes = list(dict.fromkeys(tuple(v.shape) for v in values))
+    if len(shapes) > 1:
+        raise ValueError(f"TextCollate pads 1-D values; field {name!r} holds values of shapes {shapes[0]}, "
+                         f"{shapes[1]}...: a tokenizer's return_tensors='pt' gives (1, n) per sample: return 1-D "
+                         "values from the dataset (squeeze(0), or leave return_tensors out)")
 
 
 def _nothing_to_flatten(names: list[str]) -> ValueError:
