@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -91,6 +92,7 @@ def test_unusable_dataset(untouched: Any, cache_path: str, dataset: Any, exc: ty
     ({1: torch.zeros(2)}, r"dict key 1 is a int, expected str"),
     (torch.zeros(2, 2).to_sparse(), r"tensor cannot be cached; convert it with \.to_dense\(\)"),
     (2**70, r"int \d+ does not fit in int64"),
+    (collections.UserDict({"ids": [1, 2]}), r"unsupported leaf type collections\.UserDict; return dict\(value\)"),
 ])
 def test_sample_with_an_unsupported_leaf(untouched: Any, cache_path: str, sample: Any, match: str) -> None:
     untouched(LayoutError, match, lambda: MmapCachedDataset(cache_path, [sample, sample]))

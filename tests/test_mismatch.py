@@ -54,6 +54,13 @@ def test_fingerprint_mismatch(cache_path: str) -> None:
     _assert_fix_named(str(info.value), cache_path)
     with MmapCachedDataset(cache_path, ImageLabels(8), fingerprint="train-v1") as ds:
         assert ds.num_cached == 8
+    # A cache made without one (`mmapcache build` without --fingerprint, as a new user's trial did from the README):
+    # the message says how to keep it, not only how to replace it.
+    _fill(cache_path + "-none", ImageLabels(8))
+    with pytest.raises(CacheMismatchError, match=r"fingerprint None in the cache, 'train-v1' given \(it was made "
+                                                 r"without one.*build it with the same --fingerprint, or open it "
+                                                 r"without fingerprint=\)"):
+        MmapCachedDataset(cache_path + "-none", ImageLabels(8), fingerprint="train-v1")
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import torch
 
 from helpers import trainer_recipe
 from helpers.text_sources import Tokenized, expected_padded, same
-from mmapcache import Mixture, MmapCachedDataset, PadCollate, TextCollate
+from mmapcache import LayoutError, Mixture, MmapCachedDataset, PadCollate, TextCollate
 
 N = 37
 
@@ -406,6 +406,11 @@ def test_values_of_shape_1_n_are_refused_naming_return_tensors_on_every_path(cac
             ds.lengths("input_ids")
     square = [{"input_ids": torch.arange(4)[None] + i} for i in range(4)]  # (one shape: stacked, as before)
     assert TextCollate()(square)["input_ids"].shape == (4, 1, 4)
+    transformers = pytest.importorskip("transformers")  # (the tokenizer's output as it is: refused naming dict())
+    encoded = [transformers.BatchEncoding({"input_ids": [1, 2, 3 + i]}) for i in range(2)]
+    with pytest.raises(LayoutError, match=r"BatchEncoding; a tokenizer's output is stored as a dict: return "
+                                          r"dict\(tokenizer\(text\)\)"):
+        MmapCachedDataset(cache_path + "-encoded", encoded)
 
 
 @pytest.mark.parametrize("columns", [None, ["input_ids", "label"]])

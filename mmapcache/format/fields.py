@@ -16,6 +16,7 @@ import itertools
 import json
 import math
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,8 @@ _HINTS = {
     "NoneType": "return a tensor or a number instead of None (e.g. -1 or a mask field)",
     "Image": "convert PIL images with torchvision.transforms.PILToTensor() or numpy.asarray(img) in the wrapped "
              "dataset",
+    "BatchEncoding": "a tokenizer's output is stored as a dict: return dict(tokenizer(text)) (without "
+                     "return_tensors, or with its (1, n) values squeezed to 1-D)",
 }
 
 
@@ -251,8 +254,8 @@ def typed_leaf(obj: Any, path: str) -> Leaf:
         if isinstance(obj, torch.Tensor):
             return _tensor_leaf(obj, path)
     name = type(obj).__name__
-    hint = _HINTS.get(name, "return tensors, numpy arrays, numbers, str or bytes (nested in tuple, list, dict or "
-                            "namedtuple)")
+    hint = _HINTS.get(name, "return dict(value): a mapping is stored as a dict" if isinstance(obj, Mapping) else
+                      "return tensors, numpy arrays, numbers, str or bytes (nested in tuple, list, dict or namedtuple)")
     raise LayoutError(f"field {path!r}: unsupported leaf type {type(obj).__module__}.{name}; {hint}")
 
 
