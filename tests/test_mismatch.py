@@ -58,8 +58,8 @@ def test_fingerprint_mismatch(cache_path: str) -> None:
     # the message says how to keep it, not only how to replace it.
     _fill(cache_path + "-none", ImageLabels(8))
     with pytest.raises(CacheMismatchError, match=r"fingerprint None in the cache, 'train-v1' given \(it was made "
-                                                 r"without one.*build it with the same --fingerprint, or open it "
-                                                 r"without fingerprint=\)"):
+                                                 r"without one, by `mmapcache build` without --fingerprint.*make it "
+                                                 r"with this one, or open it without fingerprint=\)"):
         MmapCachedDataset(cache_path + "-none", ImageLabels(8), fingerprint="train-v1")
 
 

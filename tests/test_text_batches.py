@@ -406,6 +406,19 @@ def test_values_of_shape_1_n_are_refused_naming_return_tensors_on_every_path(cac
             ds.lengths("input_ids")
     square = [{"input_ids": torch.arange(4)[None] + i} for i in range(4)]  # (one shape: stacked, as before)
     assert TextCollate()(square)["input_ids"].shape == (4, 1, 4)
+    # Only a tokenizer's fields: mono audio (1, T) beside 1-D ids comes back from a cache as a list, as before (a
+    # review found it refused, whole epochs of a mono/stereo mix cut short), and its lengths are its first dimension.
+    audio = [{"input_ids": torch.arange(3 + i), "audio": torch.rand(1, 100 + i)} for i in range(4)]
+    with MmapCachedDataset(cache_path + "-audio", audio) as ds:
+        for _state in ("cold", "warm"):
+            batch = next(iter(ds.loader(batch_size=4, collate_fn=TextCollate())))
+            assert [tuple(a.shape) for a in batch["audio"]] == [(1, 100 + i) for i in range(4)]
+            ds.fill()
+        assert ds.lengths("audio").tolist() == [1, 1, 1, 1]
+    dropped = [{"input_ids": torch.arange(3 + i), "attention_mask": torch.ones(1, 3 + i, dtype=torch.int64)}
+               for i in range(4)]  # (a mask the batch drops is not refused: review found it refused over samples)
+    assert TextCollate(build_mask=True)(dropped)["attention_mask"].shape == (4, 6)
+    assert "attention_mask" not in TextCollate(flatten=True)(dropped)
     transformers = pytest.importorskip("transformers")  # (the tokenizer's output as it is: refused naming dict())
     encoded = [transformers.BatchEncoding({"input_ids": [1, 2, 3 + i]}) for i in range(2)]
     with pytest.raises(LayoutError, match=r"BatchEncoding; a tokenizer's output is stored as a dict: return "

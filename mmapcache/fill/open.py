@@ -162,8 +162,9 @@ def _mismatch(store: Store, request: Request, source: Source) -> str | None:
                 f"{options.split.describe(meta['length'])}: a stream keeps the shape of the job that made it; give "
                 f"this job a new path (or `mmapcache rm` the old one)")
     if request.fingerprint is not None and meta["fingerprint"] != request.fingerprint:
-        hint = (" (it was made without one, as `mmapcache build` makes it without --fingerprint: build it with the "
-                "same --fingerprint, or open it without fingerprint=)") if meta["fingerprint"] is None else ""
+        hint = "" if meta["fingerprint"] is not None else (
+            " (it was made without one, by `mmapcache build` without --fingerprint or by code without fingerprint=: "
+            "make it with this one, or open it without fingerprint=)")
         return f"fingerprint {meta['fingerprint']!r} in the cache, {request.fingerprint!r} given{hint}"
     if options.variants is not None and options.variants != meta["variants"]:
         return f"variants={meta['variants']} in the cache, variants={options.variants} given"

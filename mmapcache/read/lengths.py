@@ -15,7 +15,12 @@ import numpy as np
 
 from ..errors import SampleNotCachedError
 
-__all__ = ["by_length", "sample_lengths"]
+__all__ = ["TOKEN_FIELDS", "by_length", "sample_lengths"]
+
+# The fields a Hugging Face tokenizer returns: given as (1, n) integers (its ``return_tensors="pt"`` per sample),
+# they are refused naming the fix, where a (1, n) field of any other name (mono audio, say) is left as it is.
+TOKEN_FIELDS = frozenset({"input_ids", "attention_mask", "token_type_ids", "special_tokens_mask", "labels",
+                          "position_ids"})
 
 _TRIES = 8
 
@@ -57,8 +62,8 @@ def sample_lengths(reader: Any, rows: np.ndarray, field: str, where: str) -> np.
         table = reader.store.index[k] if spec.ragged else reader.shapes[k]
         lengths = table[:, 2 if spec.ragged else 0].take(rows)
         if state.changes[0] == counter:
-            if spec.ragged and len(spec.shape) > 1 and len(rows) and not (lengths - 1).any() and (
-                    table[:, 3].take(rows) != table[rows[0], 3]).any():
+            if field in TOKEN_FIELDS and spec.ragged and len(spec.shape) == 2 and spec.np_dtype.kind in "iu" and (
+                    len(rows) and not (lengths - 1).any() and (table[:, 3].take(rows) != table[rows[0], 3]).any()):
                 raise ValueError(f"field {field!r} of {where} holds values of shape (1, n) (as a tokenizer's "
                                  "return_tensors='pt' gives them), whose lengths (first dimension) are all 1: "
                                  "return 1-D token ids from the dataset (squeeze(0), or leave return_tensors out)")

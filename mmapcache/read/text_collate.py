@@ -61,6 +61,7 @@ from torch.utils.data import default_collate
 
 from . import arena
 from .heap_batch import Located, WarmRows, bits_of, flat_tensor, mask_of, padded_tensor, positions
+from .lengths import TOKEN_FIELDS
 from .nested import nested, nested_fields
 
 __all__ = ["TextCollate"]
@@ -219,8 +220,9 @@ class TextCollate:
             lengths = np.array([len(a) for a in arrays], np.int64)
             flat = np.concatenate(arrays) if arrays else np.empty(0, np.int64)
             values[name] = (_located(flat, lengths), _torch_dtype(column, flat))
+        dropped = self.attention_mask if self._builds(names) or self.flatten else None
         for name in names:
-            if name not in values:
+            if name not in values and name != dropped:
                 _refuse_rows_of_one([s[name] for s in samples], name)
         if self.flatten and not values:
             raise _nothing_to_flatten(names)
@@ -473,11 +475,14 @@ class TextCollate:
 
 
 def _refuse_rows_of_one(values: list[Any], name: str) -> None:
-    """A ValueError if ``values`` are tensors or arrays of shape ``(1, n)`` (more dimensions alike) of different
-    ``n``: a tokenizer's ``return_tensors="pt"`` per sample. Nothing pads them (``default_collate`` refuses them, a
-    cache would hand them back as a list), and a model takes neither."""
-    if not values or not all(isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim > 1 and v.shape[0] == 1
-                             for v in values):
+    """A ValueError if ``values``, of a field a tokenizer returns (``TOKEN_FIELDS``), are integer tensors or arrays
+    of shape ``(1, n)`` of different ``n``: its ``return_tensors="pt"`` per sample. Nothing pads them
+    (``default_collate`` refuses them, a cache would hand them back as a list), and a model takes neither. Other
+    fields of such shapes (mono audio, grayscale images) are collated as they always were."""
+    if name not in TOKEN_FIELDS or not values or not all(
+            isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 2 and v.shape[0] == 1 and not (
+                v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool
+                if isinstance(v, torch.Tensor) else v.dtype.kind not in "iu") for v in values):
         return
     shapes = list(dict.fromkeys(tuple(v.shape) for v in values))
     if len(shapes) > 1:
