@@ -329,12 +329,11 @@ def _compare(store: Store, dataset: Any, samples: int | None, seed: int | None, 
             fresh = reader.check(sample, index)
         except LayoutError as exc:  # not this cache's layout: grouped by what differs, below
             result.compared += 1
-            found_any = False
-            for stored_as, found in store.layout.differences(sample):
+            differences = list(store.layout.differences(sample))
+            for stored_as, found in differences:
                 changed.setdefault((stored_as, found), []).append(index)
-                found_any = True
-            if not found_any:  # the layout's own, but a value it cannot hold (store_as: one that does not fit)
-                result.differences.append(str(exc) if str(exc).startswith("sample") else f"sample {index}: {exc}")
+            if not differences:  # the layout's own, but a value it cannot hold (store_as: one that does not fit)
+                result.differences.append(str(exc))
             result.differing += 1
             continue
         except Exception as exc:

@@ -91,15 +91,14 @@ class PadCollate:
             return [self._collate([v[i] for v in values], _join(path, str(i)), seen) for i in range(len(first))]
         seen.add(path or "<sample>")
         if (isinstance(first, (torch.Tensor, np.ndarray)) or numbers) and self._pads(path, values):
-            arrays = _as_arrays(values) if numbers else [_as_numpy(v) for v in values]
-            full = [k for k, a in enumerate(arrays) if a.size]
-            if full and len(full) < len(arrays):  # empty values take the others' dtype (torch.tensor([]): float32)
-                dtype = np.result_type(*[arrays[k] for k in full])
-                arrays = [a.astype(dtype, copy=False) for a in arrays]
+            # (a batch of empty lists is int64, as TextCollate makes it: token ids are the usual lists of numbers)
+            arrays = typed_alike([np.asarray(v) for v in values], np.dtype(np.int64)) if numbers else typed_alike(
+                [_as_numpy(v) for v in values])
             counts = np.array([a.size for a in arrays], np.int64)
             flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.empty(0)
             shapes = np.array([a.shape for a in arrays], np.int64).reshape(len(arrays), -1)
-            return self.pad(flat, counts, shapes, _torch_dtype(values[full[0]] if full else first))
+            return self.pad(flat, counts, shapes, _torch_dtype(next((v for v, a in zip(values, arrays) if a.size),
+                                                                    first)))
         return default_collate(values)
 
     def _pads(self, path: str, values: list[Any]) -> bool:
@@ -292,12 +291,15 @@ def _number_lists(values: list[Any]) -> bool:
     return found or not any(values)  # (every one empty: no number to see, and no other kind either)
 
 
-def _as_arrays(values: list[list[Any]]) -> list[np.ndarray]:
-    """Lists of numbers as arrays of one dtype, the non-empty lists' (an empty list has no type of its own: a batch
-    of empty ones is int64, as ``TextCollate`` makes it, token ids being the usual lists of numbers)."""
-    arrays = [np.asarray(v) for v in values]
-    dtype = np.result_type(*[a.dtype for a in arrays if a.size]) if any(a.size for a in arrays) else np.int64
-    return [a.astype(dtype, copy=False) for a in arrays]
+def typed_alike(arrays: list[np.ndarray], empty: np.dtype | None = None) -> list[np.ndarray]:
+    """A batch's values of one field as arrays of one dtype, the non-empty ones' (an empty value has no type of its
+    own: numpy makes an empty list float64, torch an empty tensor float32); where every one is empty, ``empty``
+    (None: as they are). Concatenated, they give what the values would without their empty ones."""
+    full = [a.dtype for a in arrays if a.size]
+    if len(full) == len(arrays) and all(dtype == full[0] for dtype in full):
+        return arrays
+    dtype = np.result_type(*full) if full else empty
+    return arrays if dtype is None else [a.astype(dtype, copy=False) for a in arrays]
 
 
 def _as_numpy(value: Any) -> np.ndarray:

@@ -60,6 +60,7 @@ import torch
 from torch.utils.data import default_collate
 
 from . import arena
+from .collate import typed_alike
 from .heap_batch import Located, WarmRows, bits_of, flat_tensor, mask_of, padded_tensor, positions
 from .lengths import TOKEN_FIELDS
 from .nested import nested, nested_fields
@@ -221,13 +222,12 @@ class TextCollate:
             flat = np.concatenate(arrays) if arrays else np.empty(0, np.int64)
             values[name] = (_located(flat, lengths), _torch_dtype(column, flat))
         dropped = self.attention_mask if self._builds(names) or self.flatten else None
-        for name in names:
-            if name not in values and name != dropped:
-                _refuse_rows_of_one([s[name] for s in samples], name)
+        collated = [name for name in names if name not in values and name != dropped]
+        for name in collated:
+            _refuse_rows_of_one([s[name] for s in samples], name)
         if self.flatten and not values:
             raise _nothing_to_flatten(names)
-        rest = {n: _collated([s[n] for s in samples]) for n in names if n not in values and not (
-            n == self.attention_mask and (self._builds(names) or self.flatten))}
+        rest = {n: _collated([s[n] for s in samples]) for n in collated}
         return self._assemble(names, values, rest)
 
     def _builds(self, names: list[str]) -> bool:
@@ -593,16 +593,11 @@ def _one_dim(field: Any) -> bool:
 
 
 def _arrays(values: list[Any]) -> list[np.ndarray]:
-    """A field's values as numpy arrays; empty ones take the others' dtype (numpy makes an empty list float64, torch
-    an empty tensor float32)."""
+    """A field's values as numpy arrays of one dtype (``collate.typed_alike``); a batch of empty values only keeps
+    an array's or tensor's dtype, and lists of none are int64."""
     arrays = [_as_numpy(v) for v in values]
-    lists = [a for a in arrays if a.size]
-    if len(lists) != len(arrays):
-        typed = [a for v, a in zip(values, arrays) if not isinstance(v, list)]  # (all empty: an array's dtype)
-        dtype = np.result_type(*lists) if lists else typed[0].dtype if typed else np.dtype(np.int64)
-        arrays = [a.astype(dtype, copy=False) for a in arrays]
-    return arrays
-
+    return typed_alike(arrays, next((a.dtype for v, a in zip(values, arrays) if not isinstance(v, list)),
+                                    np.dtype(np.int64)))
 
 
 def _as_numpy(value: Any) -> np.ndarray:
