@@ -371,6 +371,39 @@ def test_an_empty_tensor_takes_the_other_values_dtype(flatten: bool) -> None:
     assert empty.dtype == torch.float32 and empty.shape == (2, 0)  # (none holds a value: their own dtype)
 
 
+MIXED_DTYPES = {  # a field whose values differ in dtype: what torch.cat makes of them, the values exact
+    "uint8 and int8": ([torch.tensor([200], dtype=torch.uint8), torch.tensor([], dtype=torch.int8),
+                        torch.tensor([-1, 5], dtype=torch.int8)], torch.int16),
+    "bfloat16 and float16": ([torch.tensor([1.5, 2.0], dtype=torch.bfloat16),
+                              torch.tensor([3.25], dtype=torch.float16)], torch.float32),
+    "int32 and int64": ([torch.tensor([1], dtype=torch.int32), torch.tensor([2 ** 40 + 1])], torch.int64),
+    "int64 and float32": ([torch.tensor([7]), torch.tensor([0.5])], torch.float32),
+    "arrays int32 and int64": ([np.array([1], np.int32), np.array([2 ** 40 + 1])], torch.int64),
+    "list and int8 array": ([[300, 1], np.array([-1], np.int8)], torch.int64),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MIXED_DTYPES))
+def test_values_of_different_dtypes_are_promoted_as_torch_cat_promotes_them(case: str) -> None:
+    """Found by review: a field's values were all given the first one's dtype, so int8's -1 came back as 255 after a
+    uint8 value, 2**40 as 0 after an int32 one, 0.5 as 0 after an int64, and float16 values as bfloat16 bits
+    (garbage). ``pad_sequence`` wraps the same way; ``torch.cat`` promotes. A cache refuses such a source (one dtype
+    a field): this is over samples, as a ``ConcatDataset`` of two tokenized sets gives them."""
+    values, promoted = MIXED_DTYPES[case]
+    expected = torch.cat([torch.as_tensor(v) for v in values])
+    assert expected.dtype == promoted
+    lengths = [len(v) for v in values]
+    samples = [{"input_ids": v} for v in values]
+    padded = TextCollate(0)(samples)["input_ids"]
+    assert padded.dtype == promoted
+    assert torch.equal(torch.cat([row[:n] for row, n in zip(padded, lengths)]), expected)
+    flat = TextCollate(flatten=True)(samples)["input_ids"]
+    assert flat.dtype == promoted and torch.equal(flat[0], expected)
+    ours = PadCollate(0, fields=["input_ids"])(samples)["input_ids"]
+    assert ours.data.dtype == promoted and ours.lengths.tolist() == lengths
+    assert torch.equal(torch.cat([row[:n] for row, n in zip(ours.data, lengths)]), expected)
+
+
 def test_a_flattened_batch_of_no_1_d_tokens_is_refused_on_every_path(cache_path: str) -> None:
     """Found by review: samples of ``(1, n)`` ids (a tokenizer's ``return_tensors="pt"``) gave a "flat" batch of the
     stacked ids with ``cu_seq_lens`` [0] and no positions, which a model then failed on far from the cause."""

@@ -92,13 +92,11 @@ class PadCollate:
         seen.add(path or "<sample>")
         if (isinstance(first, (torch.Tensor, np.ndarray)) or numbers) and self._pads(path, values):
             # (a batch of empty lists is int64, as TextCollate makes it: token ids are the usual lists of numbers)
-            arrays = typed_alike([np.asarray(v) for v in values], np.dtype(np.int64)) if numbers else typed_alike(
-                [_as_numpy(v) for v in values])
+            arrays, dtype = typed_alike(values, torch.int64 if numbers else None)
             counts = np.array([a.size for a in arrays], np.int64)
             flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.empty(0)
             shapes = np.array([a.shape for a in arrays], np.int64).reshape(len(arrays), -1)
-            return self.pad(flat, counts, shapes, _torch_dtype(next((v for v, a in zip(values, arrays) if a.size),
-                                                                    first)))
+            return self.pad(flat, counts, shapes, dtype)
         return default_collate(values)
 
     def _pads(self, path: str, values: list[Any]) -> bool:
@@ -276,10 +274,13 @@ def _join(prefix: str, key: str) -> str:
 
 
 def _number_lists(values: list[Any]) -> bool:
-    """Whether a batch's values are lists of Python numbers (token ids), some of them possibly empty ``[]``."""
+    """Whether a batch's values are lists of Python numbers (token ids), some of them possibly empty ``[]``, and
+    maybe tensors or arrays among them (sources that give ids in both forms)."""
     found = False
     for value in values:
         if type(value) is not list:
+            if isinstance(value, (torch.Tensor, np.ndarray)):
+                continue
             return False
         probe = value
         while type(probe) is list and probe:
@@ -288,18 +289,30 @@ def _number_lists(values: list[Any]) -> bool:
             found = True
         elif value:
             return False
-    return found or not any(values)  # (every one empty: no number to see, and no other kind either)
+    return found or all(type(v) is list and not v for v in values)  # (every one []: no number to see, no other kind)
 
 
-def typed_alike(arrays: list[np.ndarray], empty: np.dtype | None = None) -> list[np.ndarray]:
-    """A batch's values of one field as arrays of one dtype, the non-empty ones' (an empty value has no type of its
-    own: numpy makes an empty list float64, torch an empty tensor float32); where every one is empty, ``empty``
-    (None: as they are). Concatenated, they give what the values would without their empty ones."""
-    full = [a.dtype for a in arrays if a.size]
-    if len(full) == len(arrays) and all(dtype == full[0] for dtype in full):
-        return arrays
-    dtype = np.result_type(*full) if full else empty
-    return arrays if dtype is None else [a.astype(dtype, copy=False) for a in arrays]
+def typed_alike(values: list[Any], empty: torch.dtype | None = None) -> tuple[list[np.ndarray], torch.dtype]:
+    """A batch's values of one field (tensors, arrays, lists of numbers) as numpy arrays of one dtype, and the torch
+    dtype the batch holds them in: the non-empty values' dtype, or where those differ, the one ``torch.cat`` promotes
+    them to (uint8 and int8: int16; int32 and int64: int64; bfloat16 and float16: float32), so that no value wraps
+    or is read as another type's bits. An empty value has no type of its own (numpy makes an empty list float64,
+    torch an empty tensor float32); where every one is empty, ``empty`` (None: the first value's own). A dtype
+    numpy lacks (bfloat16) is given as its bits."""
+    arrays = [_as_numpy(v) for v in values]
+    dtypes = [_dtype_of(v, a) for v, a in zip(values, arrays)]
+    full = [dtype for dtype, a in zip(dtypes, arrays) if a.size]
+    if full:
+        target = full[0]
+        for dtype in full[1:]:
+            if dtype != target:
+                target = torch.promote_types(target, dtype)
+    else:
+        target = empty if empty is not None else dtypes[0]
+    if all(dtype == target for dtype in dtypes):
+        return arrays, target
+    return [a if dtype == target else _as_numpy((v if isinstance(v, torch.Tensor) else torch.from_numpy(a)).to(
+        target)) for v, a, dtype in zip(values, arrays, dtypes)], target
 
 
 def _as_numpy(value: Any) -> np.ndarray:
@@ -312,8 +325,9 @@ def _as_numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def _torch_dtype(value: Any) -> torch.dtype | None:
-    return value.dtype if isinstance(value, torch.Tensor) else None
+def _dtype_of(value: Any, array: np.ndarray) -> torch.dtype:
+    """The torch dtype of a value (``array``, ``_as_numpy(value)``): a tensor's own, else its array's."""
+    return value.dtype if isinstance(value, torch.Tensor) else torch.from_numpy(np.empty(0, array.dtype)).dtype
 
 
 def _element_size(dtype: torch.dtype) -> int:

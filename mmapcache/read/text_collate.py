@@ -47,7 +47,8 @@ Over any dataset it works as a ``collate_fn`` (from the samples), every batch wi
 ``ds.loader()`` (or a mixture's), a warm batch is copied straight from the caches' heaps into the padded (or flat)
 tensors, one copy per token (``read_parts``, ``read.heap_batch``); values stored narrower than the source gave them
 (``store_as``) are widened by that copy. What it pads or flattens comes back in the source's dtype (labels:
-int64).
+int64); over samples whose values of one field differ in dtype (a ``ConcatDataset`` of int32 and int64 ids), in the
+one ``torch.cat`` promotes them to, every value exact (``pad_sequence`` would wrap them into the first one's).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from torch.utils.data import default_collate
 
 from . import arena
 from .collate import typed_alike
-from .heap_batch import Located, WarmRows, bits_of, flat_tensor, mask_of, padded_tensor, positions
+from .heap_batch import Located, WarmRows, flat_tensor, mask_of, padded_tensor, positions
 from .lengths import TOKEN_FIELDS
 from .nested import nested, nested_fields
 
@@ -214,13 +215,13 @@ class TextCollate:
         values: dict[str, tuple[Located, torch.dtype]] = {}
         for name in padded:
             column = [s[name] for s in samples]
-            arrays = _arrays(column)
+            arrays, dtype = _arrays(column)
             if any(a.ndim != 1 for a in arrays):
                 raise ValueError(f"TextCollate pads 1-D values; field {name!r} holds values of shape "
                                  f"{next(a.shape for a in arrays if a.ndim != 1)}")
             lengths = np.array([len(a) for a in arrays], np.int64)
             flat = np.concatenate(arrays) if arrays else np.empty(0, np.int64)
-            values[name] = (_located(flat, lengths), _torch_dtype(column, flat))
+            values[name] = (_located(flat, lengths), dtype)
         dropped = self.attention_mask if self._builds(names) or self.flatten else None
         collated = [name for name in names if name not in values and name != dropped]
         for name in collated:
@@ -578,8 +579,9 @@ def _sequences(values: list[Any]) -> bool:
         return first.ndim == 1 and not first.dtype.is_complex
     if isinstance(first, np.ndarray):
         return first.ndim == 1 and first.dtype.kind in "biuf"
-    if isinstance(first, list):
-        return all(isinstance(v, list) and all(_is_number(x) for x in v) for v in values)
+    if isinstance(first, list):  # (tensors or arrays among them: sources that give ids in both forms)
+        return all(all(_is_number(x) for x in v) if isinstance(v, list) else
+                   isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 1 for v in values)
     return False
 
 
@@ -592,30 +594,15 @@ def _one_dim(field: Any) -> bool:
     return len(field.shape) == 1 and field.kind in ("tensor", "ndarray", "pylist") and not field.variable
 
 
-def _arrays(values: list[Any]) -> list[np.ndarray]:
-    """A field's values as numpy arrays of one dtype (``collate.typed_alike``); a batch of empty values only keeps
-    an array's or tensor's dtype, and lists of none are int64."""
-    arrays = [_as_numpy(v) for v in values]
-    return typed_alike(arrays, next((a.dtype for v, a in zip(values, arrays) if not isinstance(v, list)),
-                                    np.dtype(np.int64)))
-
-
-def _as_numpy(value: Any) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        bits = bits_of(value.dtype)  # (bfloat16 values: as their bits, which the batch is filled with)
-        return (value if bits is None else value.view(bits)).detach().numpy()
-    return np.asarray(value)
-
-
-
-def _torch_dtype(column: list[Any], flat: np.ndarray) -> torch.dtype:
-    """The padded field's dtype: its first non-empty value's, a tensor's own (``torch.tensor([])`` is float32
-    whatever the others hold: an empty value gives its dtype only where every one is empty), else numpy's."""
-    first = next((value for value in column if len(value)), column[0])
-    if isinstance(first, torch.Tensor):
-        return first.dtype
-    return torch.from_numpy(np.zeros(0, flat.dtype)).dtype
-
+def _arrays(values: list[Any]) -> tuple[list[np.ndarray], torch.dtype]:
+    """A field's values as numpy arrays of one dtype, and the dtype the batch holds them in
+    (``collate.typed_alike``: the non-empty values', promoted as ``torch.cat`` promotes where they differ); a batch
+    of empty values keeps the first tensor's or array's dtype, and lists of none are int64."""
+    first = next((v for v in values if not isinstance(v, list)), None)
+    if first is None:
+        return typed_alike(values, torch.int64)
+    return typed_alike(values, first.dtype if isinstance(first, torch.Tensor) else torch.from_numpy(
+        np.empty(0, np.asarray(first).dtype)).dtype)
 
 
 def _target(field: Any) -> torch.dtype:
