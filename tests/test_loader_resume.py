@@ -134,6 +134,35 @@ def test_a_stream_loader_resumes_through_the_same_protocol(cache_path: str) -> N
         assert [i for batch in head + rest for i in batch] == ds._ring.order(0).tolist()
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_stream_state_saved_at_any_step_resumes_the_rest_and_then_the_next_epoch(cache_path: str,
+                                                                                   drop_last: bool) -> None:
+    """Found by review: with ``drop_last`` (42 positions, batches of 8: 2 dropped), a state saved on an epoch's last
+    step said position 40, and the resumed loader's next pass was the empty rest of that epoch: an epoch of training
+    silently lost. Every step's state, loaded by a new loader, gives the uninterrupted run's rest, then the next
+    epoch whole."""
+    from helpers.stream_sources import Fresh
+
+    with MmapCachedDataset(cache_path, Fresh(42), stream=True, seed=4) as ds:
+        steps = len(ds.loader(batch_size=8, drop_last=drop_last))
+        assert steps == (5 if drop_last else 6)
+        order = [ds._ring.order(epoch).tolist() for epoch in range(3)]
+        whole = [[order[e][k:k + 8] for k in range(0, 40 if drop_last else 42, 8)] for e in range(3)]
+        for step in range(steps + 1):
+            loader = ds.loader(batch_size=8, drop_last=drop_last)
+            loader.load_state_dict({**loader.state_dict(), "epoch": 0, "position": 0})
+            it = iter(loader)
+            for _ in range(step):
+                next(it)
+            state = loader.state_dict()
+            del it, loader
+            again = ds.loader(batch_size=8, drop_last=drop_last)
+            again.load_state_dict(state)
+            got = [[b["i"].tolist() for b in again] for _ in range(2)]
+            # The rest, then the next epoch whole; after the last step (no rest), the next two epochs.
+            assert got == ([whole[0][step:], whole[1]] if step < steps else whole[1:]), step
+
+
 def test_a_state_saved_again_before_iterating_is_the_one_loaded(cache: MmapCachedDataset) -> None:
     # A trainer that checkpoints again before the resumed loader yields a batch (validation first, a crash loop)
     # saved "start of the epoch", and the next resume trained the interrupted epoch's first batches twice.

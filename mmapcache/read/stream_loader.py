@@ -57,6 +57,11 @@ class StreamLoader:
                 raise ValueError(f"{name}= chooses an order, and a stream reads its own seeded order (the seed= it "
                                  f"was created with); leave {name} out of ds.loader()")
             kwargs.pop(name, None)
+        if kwargs.get("num_workers") and kwargs.get("in_order") is False:
+            raise ValueError("ds.loader(in_order=False) with workers hands a stream's batches to the training loop out "
+                             "of order, while the rank's cursor says which of its positions were handed over (a "
+                             "restarted reader would skip the batches still on their way, and read others twice); "
+                             "leave in_order out (True, the default) for a stream")
         batch_size = kwargs.pop("batch_size", 1)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1 for a stream, got {batch_size!r}")
@@ -97,15 +102,26 @@ class StreamLoader:
                  "once; the epochs it has passed are gone). To read from the start again, remove the stream "
                  "(`mmapcache rm`) and create it anew; to resume a job exactly, load its loader state "
                  "(loader.load_state_dict)", StreamPositionWarning)
-        stop = self.per_rank - (self.per_rank - start) % self.batch_size if self.drop_last else self.per_rank
+        stop = self._stop(start)
+        if start and start == stop < self.per_rank:  # a state after an epoch's last batch, its short tail dropped
+            reads.consumed(self.rank, self.ranks, epoch, self.per_rank, {})
+            epoch, start = reads.start(self.rank, self.ranks)
+            stop = self._stop(start)
         self._plan.items = [(epoch, a, min(a + self.batch_size, stop)) for a in range(start, stop, self.batch_size)]
         loader = self._loader
         for (epoch, _, end), (stats, batch) in zip(
                 self._plan.items, arena.from_workers(loader, loader.__iter__) if loader.num_workers else loader):
-            reads.consumed(self.rank, self.ranks, epoch, end, stats)
+            # The epoch's last batch passes its dropped tail too (drop_last): a state saved on that step, or a
+            # reader stopped after it, goes on with the next epoch, not the empty rest of this one.
+            reads.consumed(self.rank, self.ranks, epoch, self.per_rank if end == stop else end, stats)
             yield batch
-        if stop < self.per_rank:  # drop_last: the short tail is not read, but it is passed
+        if stop < self.per_rank:  # (no batch at all: an epoch shorter than one)
             reads.consumed(self.rank, self.ranks, epoch, self.per_rank, {})
+
+    def _stop(self, start: int) -> int:
+        """Where this rank's reading of an epoch stops, from ``start``: its end, or with ``drop_last`` the end of
+        the last whole batch."""
+        return self.per_rank - (self.per_rank - start) % self.batch_size if self.drop_last else self.per_rank
 
     def __len__(self) -> int:
         """Batches in one whole epoch of this rank."""

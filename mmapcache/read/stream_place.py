@@ -49,6 +49,16 @@ def reader_place(ring: Ring, rank: int | None, world_size: int | None) -> tuple[
                 "one node's ranks")
         if world_size > _MAX_RANKS:
             raise ValueError(f"a stream has at most {_MAX_RANKS} readers per node, not {world_size}")
+        recorded = ring.readers()
+        if recorded and (recorded != world_size if ring.takes else recorded > world_size):
+            # Each rank's cursor is its place in its part of the order (rank + k * ranks): under another number of
+            # ranks it names other positions, so the new ranks would read some of the epoch again and skip others,
+            # and a rank of the old job that no longer reads would hold back the producers.
+            raise CacheMismatchError(
+                f"the stream at {path} is read by a job of {recorded} rank{'s' if recorded > 1 else ''} (each one's "
+                f"cursor is its place in its part of the order); this process is rank {rank} of {world_size}. A "
+                f"stream keeps the shape of the job that reads it: remove it (`mmapcache rm {path}`, or use a new "
+                "path) when the number of ranks changes")
         return rank, world_size, rank, world_size
     nodes = node_of_process()[1] if found else split.nodes
     if nodes != split.nodes or world_size != split.world:

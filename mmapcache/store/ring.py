@@ -132,6 +132,14 @@ class Ring(RingClaims):
         ``DistributedSampler`` (``W``: the job's ranks, ``ranks`` times the nodes)."""
         return -(-self.size // (ranks * self.split.nodes))
 
+    def readers(self) -> int:
+        """How many ranks read this node's ring, as its readers recorded it when they started (0: none has). A ring
+        made before 0.6 records no number: the highest rank that read it, plus one (at least that many did)."""
+        if self.takes and int(self.words[READERS]):
+            return int(self.words[READERS])
+        read = np.flatnonzero(self.words[HEADER + 1:HEADER + 2 * MAX_RANKS:2])
+        return int(read[-1]) + 1 if len(read) else 0
+
     def progress(self, rank: int) -> tuple[int, int] | None:
         """``(epoch, k)``: rank ``rank`` has consumed its first ``k`` positions of ``epoch``; None if it never read.
 
