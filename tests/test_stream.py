@@ -789,6 +789,33 @@ def test_producers_killed_while_short_of_heap_room_leave_a_sound_ring(cache_path
     assert result.ok, result.problems
 
 
+@pytest.mark.parametrize("remove", ["rm --force", "rm -rf"])
+def test_a_stream_removed_under_its_producers_stops_the_build_with_one_line(shm_dir: str, remove: str) -> None:
+    """Found by review: the supervisor restarted the producers that stopped for the removal before it looked again,
+    each new one died with a traceback, and the build ended "(interrupted)", exit 0, not saying why."""
+    path = os.path.join(shm_dir, "stream")
+    MmapCachedDataset(path, Fresh(N, delay=0.001), stream=True, max_bytes=RING_BYTES, seed=5).close()
+    build = subprocess.Popen(
+        [sys.executable, "-m", "mmapcache", "build", path, "--dataset", SPEC + ":fresh", "--kwargs",
+         json.dumps({"n": N, "delay": 0.001}), "--follow", "--workers", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        with MmapCachedDataset(path, stream=True) as ds:
+            _wait_for(lambda: len(ds.stream_stats["producers"]) == 2 and ds.stream_stats["produced"] > 0)
+        if remove == "rm -rf":
+            subprocess.run(["rm", "-rf", path], check=True, timeout=60)
+        else:
+            subprocess.run([sys.executable, "-m", "mmapcache", "rm", "--force", path], check=True,
+                           capture_output=True, timeout=60)
+        _out, err = build.communicate(timeout=60)
+    finally:
+        kill_alive([build])
+    assert build.returncode == 2, err
+    assert err.strip().splitlines() == [f"mmapcache: error: the stream at {path} was removed while this build "
+                                        "produced for it (`mmapcache rm --force`?); its producers stopped. Create "
+                                        "it again to produce for a new one"], err
+
+
 def test_a_stream_read_by_ranks_is_refused_to_a_job_of_another_number(cache_path: str) -> None:
     """Found by review: a one-node stream read by 2 ranks for part of an epoch, then by 1 (an elastic restart), took
     rank 0's cursor as its place in the new split: 20 of 100 indices read twice in the epoch, others never, and rank

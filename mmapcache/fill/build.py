@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CacheReadOnlyError, SourceError, UsageError
+from ..errors import CacheNotFoundError, CacheReadOnlyError, SourceError, UsageError
 from ..store.files import is_cache, read_meta
 from ..store.paths import resolve_path
 from ..store.ring import Ring
@@ -241,8 +241,12 @@ def _produce(store: Store, spec: DatasetSpec, workers: int, report: BuildReport,
     last = time.monotonic()
     restarts: list[float] = []
     try:
-        while not store.moved():
+        while True:
             time.sleep(0.2)
+            if store.moved():  # (before replacing producers: those that saw it have stopped)
+                raise CacheNotFoundError(f"the stream at {store.path} was removed while this build produced for it "
+                                         "(`mmapcache rm --force`?); its producers stopped. Create it again to "
+                                         "produce for a new one")
             restarted = producer.replace_dead()  # a producer killed (OOM killer, SIGKILL): start another
             if restarted:
                 now = time.monotonic()
@@ -257,7 +261,6 @@ def _produce(store: Store, spec: DatasetSpec, workers: int, report: BuildReport,
                 print(f"{store.path}: produced {stats['produced'] - before['produced']}, {stats['ahead']} ready "
                       f"ahead of the readers; readers were served {stats['served']} and computed "
                       f"{stats['computed']} themselves", file=out, flush=True)
-        report.interrupted = True  # removed under us: the producers stopped
     except KeyboardInterrupt:
         report.interrupted = True
     finally:

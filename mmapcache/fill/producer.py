@@ -254,7 +254,8 @@ def _run(path: str, make_source: Callable[[], Any], stop: Any, parent: int, chec
     own_signals()
     die_with_parent(parent)  # a producer whose starter was killed must not produce for nobody, forever
     reseed(seed)
-    with contextlib.suppress(KeyboardInterrupt):
+    # (a cache removed before this producer opened it: its supervisor sees the removal too, and says so)
+    with contextlib.suppress(KeyboardInterrupt, CacheNotFoundError):
         produce(path, make_source, stop, check_finite)
 
 
