@@ -75,7 +75,9 @@ class LoaderState(transformers.TrainerCallback):
                              f"({path}): it was saved without LoaderState, and the resumed epoch would start over; "
                              "resume from a checkpoint saved with it")
         saved = torch.load(path, weights_only=False)
-        ranks = saved.get("world_size", args.world_size) if isinstance(saved, dict) else args.world_size
+        ranks = args.world_size
+        if isinstance(saved, dict) and "world_size" in saved:  # (a mixture of node shares: its node's ranks)
+            ranks = saved["world_size"] * saved.get("nodes", 1)
         if ranks != args.world_size:
             raise ValueError(f"the checkpoint of step {state.global_step} was saved by a job of {ranks} rank(s) and "
                              f"this one has {args.world_size}: Trainer finds the epoch to resume by dividing the step "

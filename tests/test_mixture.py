@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -412,6 +413,58 @@ def test_sources_that_cannot_be_mixed_are_refused_naming_the_difference(shm_dir:
 
 
 # --- node shares -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_mixture_of_node_shares_reads_every_sample_of_an_epoch_with_default_weights(shm_dir: str,
+                                                                                     ranks: int) -> None:
+    """Found by review: sources of 11 and 7 samples over 2 nodes (shares 5|6 and 3|4) with default weights (every
+    sample once an epoch): each source's odd sample was handed to node 0, whose share is the smaller, so node 0 drew
+    6 from its 5 (one twice) and node 1 left one of its 6 unread. Each node now reads its shares whole, and every
+    rank of the job as many steps as the node with the most (the others pad, as ``DistributedSampler`` does)."""
+    sizes = {"a": 11, "b": 7}
+    per_node, shares = [], []
+    for node in (0, 1):
+        sources = {name: MmapCachedDataset(os.path.join(shm_dir, f"{name}{node}"), Rows(n, TAGS[name]),
+                                           node_share=(node, 2)) for name, n in sizes.items()}
+        mix = Mixture(sources, seed=1)
+        held = [TAGS[name] * STRIDE + int(i) for name, ds in sources.items() for i in ds.cacheable_indices()]
+        shares.append(held)
+        ranks_read = [[i for b in _epoch(loader) for i in b] for loader in _job(mix, ranks, 2)]
+        read = [i for r in ranks_read for i in r]
+        assert set(read) == set(held), "a node left part of its shares unread, or read outside them"
+        per_node.append(ranks_read)
+    assert len({len(r) for ranks_read in per_node for r in ranks_read}) == 1  # the job's number of steps everywhere
+    assert sorted(i for held in shares for i in held) == sorted(
+        TAGS[name] * STRIDE + i for name, n in sizes.items() for i in range(n))
+    padding = sum(len(r) for ranks_read in per_node for r in ranks_read) - sum(sizes.values())
+    assert 0 <= padding <= 2 + 2 * ranks  # the smaller node's (2 samples short) and the ranks' rounding
+
+
+def test_loader_state_resumes_a_mixture_of_node_shares_on_the_job_that_saved_it(shm_dir: str, tmp_path: Any) -> None:
+    """Found by review: Hugging Face's ``LoaderState`` compared the state's ranks (a mixture of node shares records
+    its node's, 2) with ``Trainer``'s job (2 nodes x 2 ranks: 4), and refused to resume the job that saved it. It
+    compares the job's ranks now, and still refuses another job's."""
+    from mmapcache.hf import LoaderState
+
+    sources = {name: MmapCachedDataset(os.path.join(shm_dir, name), Rows(SIZES[name], TAGS[name]),
+                                       node_share=(0, 2)) for name in ("a", "b")}
+    mix = Mixture(sources, seed=2)
+    loader = mix.loader(batch_size=4, rank=0, world_size=2)
+    it = iter(loader)
+    next(it)
+    step = types.SimpleNamespace(global_step=1)
+    LoaderState(loader).on_save(types.SimpleNamespace(output_dir=str(tmp_path)), step, None)  # the checkpoint
+    rest = [ids_of(b) for b in it]
+    for world, refused in ((4, False), (2, True)):
+        args = types.SimpleNamespace(output_dir=str(tmp_path), ignore_data_skip=True, world_size=world)
+        resumed = mix.loader(batch_size=4, rank=0, world_size=2)
+        if refused:
+            with pytest.raises(ValueError, match=r"saved by a job of 4 rank\(s\) and this one has 2"):
+                LoaderState(resumed).on_train_begin(args, step, None)
+            continue
+        LoaderState(resumed).on_train_begin(args, step, None)
+        assert [ids_of(b) for b in resumed] == rest
 
 
 def test_a_mixture_of_node_shares_reads_each_nodes_shares_and_the_jobs_number_of_steps(shm_dir: str) -> None:

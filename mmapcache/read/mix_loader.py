@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ..store.share import Share, job_rank_and_size, local_rank_and_size
+from ..store.share import Share, job_rank_and_size, local_rank_and_size, share_size
 from . import arena
 from .epoch_split import block_spans
 from .loader import _Pass
@@ -58,15 +58,25 @@ class _Mixture(Protocol):
     def restore_setting(self, setting: Any) -> None: ...
 
 
-def node_counts(counts: Sequence[int], nodes: int) -> np.ndarray:
-    """``(nodes, sources)`` counts: each source's count split across the nodes within one, the remainders handed
-    out in turn across sources, so that the nodes' totals differ by at most one."""
-    out = np.tile(np.asarray(counts, np.int64) // nodes, (nodes, 1))
+def node_counts(counts: Sequence[int], lengths: Sequence[int], nodes: int) -> np.ndarray:
+    """``(nodes, sources)`` counts: each source's count split across the nodes in proportion to their shares of it
+    (``store.share.share_size``), so that a count of the source's length reads every node's share whole (each sample
+    once: default weights) and one of ``r`` lengths reads each share ``r`` times. The rest of a count that is not a
+    multiple of the length goes by largest remainder, ties taken in turn across sources (the nodes' totals close).
+    Never more of a share than the count asks: a node asked for more of a source than its share holds would read
+    some of its samples twice while another node left some unread."""
+    out = np.zeros((nodes, len(counts)), np.int64)
     turn = 0
-    for s, count in enumerate(counts):
-        for k in range(int(count) % nodes):
-            out[(turn + k) % nodes, s] += 1
-        turn = (turn + int(count) % nodes) % nodes
+    for s, (count, length) in enumerate(zip(counts, lengths)):
+        sizes = np.array([share_size(int(length), nodes, n) for n in range(nodes)], np.int64)
+        whole, rest = divmod(int(count), int(length))
+        base = whole * sizes + rest * sizes // length
+        left = int(count) - int(base.sum())
+        remainders = rest * sizes % length
+        for n in sorted(range(nodes), key=lambda n: (-int(remainders[n]), (n - turn) % nodes))[:left]:
+            base[n] += 1
+        turn = (turn + left) % nodes
+        out[:, s] = base
     return out
 
 
@@ -139,9 +149,13 @@ class MixtureOrder(DistributedSampler):
 
     def per_rank(self, counts: Sequence[int], world: int | None = None) -> int:
         """Positions each rank reads of an epoch of ``counts`` (``DistributedSampler``'s ``ceil(G / W)``, ``W`` the
-        job's ranks)."""
+        job's ranks). With node shares, each node reads its ``node_counts`` row over ``world`` ranks (the node's),
+        and every rank of the job as many as the node with the most needs (the others pad), so none is left out."""
         world = self.num_replicas if world is None else world
-        return math.ceil(sum(counts) / (world * self._nodes()))
+        if self.mixture.shares is None:
+            return math.ceil(sum(counts) / world)
+        most = int(node_counts(counts, self.mixture.lengths, self._nodes()).sum(axis=1).max())
+        return math.ceil(most / world)
 
     def batches_for(self, counts: Sequence[int], world: int | None = None, batch_size: int | None = None) -> int:
         per_rank, size = self.per_rank(counts, world), batch_size or self.batch_size
@@ -174,7 +188,7 @@ class MixtureOrder(DistributedSampler):
         else:
             share = m.shares[0]
             pools = [s.indices(n, s.generation(drawn.epoch)) for s, n in zip(m.shares, m.lengths)]
-            made = plan(m.lengths, node_counts(drawn.counts, share.nodes)[share.node], m.seed, drawn.epoch,
+            made = plan(m.lengths, node_counts(drawn.counts, m.lengths, share.nodes)[share.node], m.seed, drawn.epoch,
                         drawn.repeat, drawn.unit, m.per_batch, pools)
         self._cached = (drawn, made)
         return made

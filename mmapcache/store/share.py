@@ -65,7 +65,7 @@ class Share:
 
     def size(self, length: int) -> int:
         """How many indices the share holds (the same in every generation)."""
-        return (self.node + 1) * length // self.nodes - self.node * length // self.nodes
+        return share_size(length, self.nodes, self.node)
 
     def indices(self, length: int, generation: int = 0) -> np.ndarray:
         """The share of ``generation``, sorted (int64)."""
@@ -90,6 +90,11 @@ def share_option(node_share: Any, rotate_every: Any, seed: int) -> Share | None:
     else:
         raise TypeError(f"node_share must be True, False or (node, nodes), got {node_share!r}")
     return Share(node, nodes, seed, rotate_every)
+
+
+def share_size(length: int, nodes: int, node: int) -> int:
+    """How many of ``length`` indices part ``node`` of ``nodes`` holds (``share_of``'s slice of the permutation)."""
+    return (node + 1) * length // nodes - node * length // nodes
 
 
 def share_of(length: int, nodes: int, node: int, seed: int, generation: int = 0) -> np.ndarray:
