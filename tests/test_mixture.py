@@ -129,6 +129,24 @@ def test_per_batch_composition_holds_every_batch_in_proportion(caches: dict[str,
         assert (np.abs(made.composition - exact) < 1).all(), (counts, unit)
 
 
+def test_the_short_last_batches_of_several_ranks_are_dealt_across_the_last_units(caches: dict[str, str]) -> None:
+    """Found by review: where each of W ranks has fewer than a batch left (66 samples, 3 ranks, batches of 10: 2
+    each), rank r's last batch was the r-th run of 2 in the last unit, whose samples come grouped by source: rank 0's
+    held only source a (per_batch promised each within one of its share; a random mix put 95% of one source there
+    over 60 seeds). The last W x t positions are dealt out, every W-th to a rank."""
+    weights = {"a": 0.5, "b": 0.3, "c": 0.2}
+    mix = _mix(caches, weights=weights, epoch_size=66, per_batch=True, seed=2)
+    read = []
+    for rank in range(3):
+        batches = _epoch(mix.loader(batch_size=10, rank=rank, world_size=3))
+        assert [len(b) for b in batches] == [10, 10, 2]
+        for batch in batches:
+            got = _source_counts(batch)
+            assert all(abs(got.get(TAGS[n], 0) - len(batch) * w) < 1 for n, w in weights.items()), (rank, got)
+        read += [i for b in batches for i in b]
+    assert len(read) == 66 and _source_counts(read) == {TAGS[n]: c for n, c in mix.counts().items()}
+
+
 def test_orders_are_a_function_of_seed_and_epoch(caches: dict[str, str]) -> None:
     one, two = _mix(caches, seed=5), _mix(caches, seed=5)
     assert _epoch(one.loader(batch_size=9)) == _epoch(two.loader(batch_size=9))

@@ -18,7 +18,8 @@ uninterrupted pass would have:
   ``r, r + W, r + 2W, ...``, in batches of ``B``;
 - ``blocks`` (a mixture's): the order is cut into blocks of ``B``, and rank ``r`` reads blocks ``r, r + W, ...``
   (so a batch is a block, which a mixture composes per batch); where each rank has fewer than ``B`` positions left
-  (``t``), the last blocks are of ``t``.
+  (``t``), the last ``W * t`` are dealt out, rank ``r`` taking every ``W``-th from the ``r``-th: a mixture's units
+  hold their samples grouped by source, and a rank's ``t`` in a row of them were mostly one source.
 """
 
 from __future__ import annotations
@@ -53,18 +54,19 @@ def blocks(order: np.ndarray, offset: int, rank: int, world: int, batch: int, dr
     """Rank ``rank`` of ``world``'s batches of ``order[offset:]`` in the block layout (see the module docstring),
     padded as ``padded_rest`` pads; the short last one left out with ``drop_last``."""
     padded = padded_rest(order, offset, world, total)
-    return [padded[a:b] for a, b in block_spans(len(padded), rank, world, batch, drop_last)]
+    return [padded[a:b:step] for a, b, step in block_spans(len(padded), rank, world, batch, drop_last)]
 
 
-def block_spans(padded: int, rank: int, world: int, batch: int, drop_last: bool) -> list[tuple[int, int]]:
-    """``blocks``' batches as ``(start, stop)`` of the padded rest (of ``padded`` positions, a multiple of
-    ``world``): what a reader that needs no arrays of positions reads (a mixture's whole units)."""
+def block_spans(padded: int, rank: int, world: int, batch: int, drop_last: bool) -> list[tuple[int, int, int]]:
+    """``blocks``' batches as ``(start, stop, step)`` of the padded rest (of ``padded`` positions, a multiple of
+    ``world``): what a reader that needs no arrays of positions reads (a mixture's whole units; step 1 but in the
+    short last batch, which takes every ``world``-th position)."""
     per_rank = padded // world
     whole, tail = divmod(per_rank, batch)
-    out = [((b * world + rank) * batch, (b * world + rank + 1) * batch) for b in range(whole)]
+    out = [((b * world + rank) * batch, (b * world + rank + 1) * batch, 1) for b in range(whole)]
     if tail and not drop_last:
-        start = whole * world * batch + rank * tail
-        out.append((start, start + tail))
+        start = whole * world * batch
+        out.append((start + rank, start + world * tail, world))
     return out
 
 

@@ -197,9 +197,9 @@ class MixtureOrder(DistributedSampler):
         """The pass's order of flat ids (this node's, with node shares)."""
         return self.plan(drawn).order()
 
-    def spans(self, drawn: MixPass, base: int = 0) -> list[tuple[int, int]]:
+    def spans(self, drawn: MixPass, base: int = 0) -> list[tuple[int, int, int]]:
         """This rank's batches of the pass from position ``base`` of its order on (``read.epoch_split.blocks``), as
-        ``(start, stop)`` of the order's rest from ``base``, padded (positions past the rest: the padding, which
+        ``(start, stop, step)`` of the order's rest from ``base``, padded (positions past the rest: the padding, which
         repeats the order from its start)."""
         rank, world = self.placement()
         rest = max(0, self.plan(drawn).total - base)
@@ -211,11 +211,11 @@ class MixtureOrder(DistributedSampler):
     def positions(self, drawn: MixPass, base: int = 0) -> list[np.ndarray]:
         """This rank's batches of the pass from position ``base`` of its order on, as positions of the order."""
         rest = max(0, self.plan(drawn).total - base)
-        return [self._positions(a, b, base, rest, self.plan(drawn).total) for a, b in self.spans(drawn, base)]
+        return [self._positions(span, base, rest, self.plan(drawn).total) for span in self.spans(drawn, base)]
 
     @staticmethod
-    def _positions(a: int, b: int, base: int, rest: int, total: int) -> np.ndarray:
-        padded = np.arange(a, b, dtype=np.int64)
+    def _positions(span: tuple[int, int, int], base: int, rest: int, total: int) -> np.ndarray:
+        padded = np.arange(*span, dtype=np.int64)
         return np.where(padded < rest, base + padded, (padded - rest) % max(total, 1))
 
     def batches(self, drawn: MixPass, base: int = 0) -> list[np.ndarray]:
@@ -223,19 +223,19 @@ class MixtureOrder(DistributedSampler):
         made = self.plan(drawn)
         return [made.at(p) for p in self.positions(drawn, base)]
 
-    def keys(self, drawn: MixPass, spans: list[tuple[int, int]], base: int) -> Iterator[tuple[np.ndarray,
-                                                                                              tuple[int, ...]]]:
+    def keys(self, drawn: MixPass, spans: list[tuple[int, int, int]], base: int) -> Iterator[tuple[np.ndarray,
+                                                                                                   tuple[int, ...]]]:
         """Each batch as it is read (``(indices, bounds)``, grouped by source): a whole unit of the plan as it
         holds it; any other (the padded tail, a resume on other ranks or batch sizes) grouped from its flat ids."""
         made, starts, unit = self.plan(drawn), self.mixture.starts, drawn.unit
         total = made.total
         rest = max(0, total - base)
-        for a, b in spans:
+        for a, b, step in spans:
             start, stop = base + a, base + b
-            if b <= rest and start % unit == 0 and stop == min(start + unit, total):
+            if step == 1 and b <= rest and start % unit == 0 and stop == min(start + unit, total):
                 yield made.unit_batch(start // unit)
             else:
-                yield grouped([made.at(self._positions(a, b, base, rest, total))], starts)[0]
+                yield grouped([made.at(self._positions((a, b, step), base, rest, total))], starts)[0]
 
     def __iter__(self) -> Iterator[tuple[int, np.ndarray, tuple[int, ...]]]:
         resume, self.resume = self.resume, None
