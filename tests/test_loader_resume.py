@@ -330,15 +330,18 @@ def test_a_sampler_drawing_from_the_global_generator_resumes_its_interrupted_epo
         assert head + rest == reference[epoch], (epoch, k)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("options", [{"shuffle": True}, {"shuffle": True, "generator": "seeded"}, {}])
 def test_after_a_resumed_pass_torchs_random_numbers_go_on_as_the_uninterrupted_runs(cache: MmapCachedDataset,
-                                                                                     options: dict[str, Any]) -> None:
+                                                                                     options: dict[str, Any],
+                                                                                     workers: int) -> None:
     """A trainer's checkpoint holds torch's generator as it was when the loader's state was taken, after the pass
     drew the workers' base seed as it began: the resumed pass draws nothing more, so dropout and augmentations
-    after a resume are the uninterrupted run's (Hugging Face's ``Trainer`` with ``ignore_data_skip=True``)."""
+    after a resume are the uninterrupted run's (Hugging Face's ``Trainer`` with ``ignore_data_skip=True``). With
+    workers, DataLoader's iterator drew the base seed again for the resumed pass (review)."""
     def make() -> Any:
         generator = {"generator": torch.Generator().manual_seed(4)} if "generator" in options else {}
-        return cache.loader(batch_size=4, **{**options, **generator})
+        return cache.loader(batch_size=4, num_workers=workers, **{**options, **generator})
 
     torch.manual_seed(0)
     loader = make()

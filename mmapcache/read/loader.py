@@ -18,6 +18,7 @@ from . import arena, loader_state
 from .collate import PadCollate
 from .lending import Lending
 from .order import BatchOrder
+from .resume import no_base_seed
 from .stream_loader import StreamLoader
 from .text_collate import TextCollate
 
@@ -156,7 +157,8 @@ class CacheLoader(DataLoader):
         order.settle()  # before the workers' base seed is drawn from a generator the settled pass draws from
         if self.num_workers or self.pin_memory:
             order.draws_base_seed = False
-            return arena.from_workers(self, super().__iter__) if self.num_workers else super().__iter__()
+            with no_base_seed(self, order.resume is not None and order.resume.same_epoch):
+                return arena.from_workers(self, super().__iter__) if self.num_workers else super().__iter__()
         # No DataLoader iterator draws the workers' base seed from the generator: the order draws it first, as
         # DataLoader's iterator would just before (so both shuffle alike).
         order.draws_base_seed = True

@@ -28,6 +28,7 @@ from .epoch_split import block_spans
 from .loader import _Pass
 from .mix_order import EpochPlan, MixPass, grouped, plan
 from .mix_state import load, save
+from .resume import no_base_seed
 
 __all__ = ["MixPass", "MixtureLoader", "MixtureOrder", "node_counts"]
 
@@ -264,9 +265,10 @@ class MixtureLoader(DataLoader):
         return self._pass
 
     def _begin(self) -> Iterator[Any]:
-        if self.num_workers or self.pin_memory:
-            return arena.from_workers(self, super().__iter__) if self.num_workers else super().__iter__()
         order: MixtureOrder = self.sampler  # type: ignore[assignment]
+        if self.num_workers or self.pin_memory:
+            with no_base_seed(self, order.resume is not None and order.resume[0].epoch == order.mixture.epoch):
+                return arena.from_workers(self, super().__iter__) if self.num_workers else super().__iter__()
         if order.resume is None or order.resume[0].epoch != order.mixture.epoch:  # (the rest of a pass: drawn then)
             torch.empty((), dtype=torch.int64).random_()  # the draw DataLoader's iterator makes for its workers' seed
         return map(self.dataset.__getitem__, self.sampler)

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["EpochStart", "Resume", "has_epoch", "generators", "has_generator", "draws_globally", "sampler_state",
-           "restore_sampler", "global_rng"]
+__all__ = ["EpochStart", "Resume", "has_epoch", "generators", "has_generator", "draws_globally", "no_base_seed",
+           "sampler_state", "restore_sampler", "global_rng"]
 
 
 @dataclasses.dataclass
@@ -130,6 +130,23 @@ def global_rng(state: torch.Tensor | None) -> Iterator[None]:
         return
     before = torch.get_rng_state()
     torch.set_rng_state(state)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(before)
+
+
+@contextlib.contextmanager
+def no_base_seed(loader: Any, resumed: bool) -> Iterator[None]:
+    """Where ``resumed`` (the rest of a pass a state recorded) and DataLoader's iterator draws its workers' base seed
+    from torch's global generator (no ``loader.generator``): that generator put back after the block, so that the
+    resumed run's random numbers go on as the uninterrupted run's did (its pass drew the seed as it began, before the
+    state and a trainer's checkpoint of the generators were taken; a resumed pass draws nothing else from it). The
+    workers get a base seed all the same. (A loader's own generator is put where the state says by its order.)"""
+    if not resumed or loader.generator is not None:
+        yield
+        return
+    before = torch.get_rng_state()
     try:
         yield
     finally:
