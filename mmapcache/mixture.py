@@ -120,6 +120,9 @@ class Mixture:
         if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
                    for w in shares) or not sum(shares):
             raise ValueError(f"weights must be finite numbers >= 0, not all 0, got {dict(zip(self.names, shares))}")
+        if not math.isfinite(sum(float(w) for w in shares)):  # (each share is its weight over the sum)
+            raise ValueError(f"weights {dict(zip(self.names, shares))} sum past the largest float; give them at "
+                             "another scale (only their ratios count)")
         self._setting = {"weights": [float(w) for w in shares], "epoch_size": int(size)}
 
     def _per_source(self, given: Any, what: str) -> list[Any]:

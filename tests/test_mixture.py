@@ -389,6 +389,17 @@ def test_a_state_of_another_mixture_or_loader_is_refused_naming_the_difference(c
         MmapCachedDataset(caches["a"]).loader(batch_size=4).load_state_dict(state)
     with pytest.raises(ValueError, match=r"key 'offset': -3"):
         mix.loader(batch_size=4).load_state_dict({**state, "offset": -3})
+    # (review: an offset past the pass skipped the rest of the epoch, silently; a refused unit had already set the
+    # mixture's epoch and weights from the state)
+    assert state["in_epoch"] and not state["ended"]
+    with pytest.raises(ValueError, match=r"key 'offset': 1000000, expected an int from 0 to"):
+        mix.loader(batch_size=4).load_state_dict({**state, "offset": 10**6})
+    mix.set_epoch(5)
+    mix.set_weights({"a": 1, "b": 1, "c": 8})
+    before = (mix.epoch, mix.setting())
+    with pytest.raises(ValueError, match=r"key 'unit': 0"):
+        mix.loader(batch_size=4).load_state_dict({**state, "unit": 0})
+    assert (mix.epoch, mix.setting()) == before
 
 
 # --- refused sources ------------------------------------------------------------------------------------------------
@@ -420,7 +431,16 @@ def test_sources_that_cannot_be_mixed_are_refused_naming_the_difference(shm_dir:
         Mixture([rows, share])
     with pytest.raises(TypeError, match=r"source '0' is a Rows, not an MmapCachedDataset"):
         Mixture([Rows(10, 1)])
+    class Reordered(Texts):  # (the same fields as Texts, in another order: two datasets mapped differently)
+        def __getitem__(self, i: int) -> Any:
+            sample = super().__getitem__(i)
+            return {k: sample[k] for k in reversed(list(sample))}
+
+    with pytest.raises(LayoutError, match=r"hold the same fields in another order .* return them in the same order "
+                                          r"from each"):
+        Mixture([cache("texts2", Texts(10, 1)), cache("reordered", Reordered(10, 2))])
     for bad, match in [({"weights": [1, -1]}, "weights must be finite numbers >= 0"),
+                       ({"weights": [1e308, 1e308]}, "sum past the largest float"),
                        ({"weights": {"0": 1}}, r"weights name \['1'\] missing"),
                        ({"counts": [1, 2.5]}, "counts must be ints >= 0"),
                        ({"weights": [1, 1], "counts": [1, 1]}, "not both"),

@@ -90,13 +90,16 @@ def load(loader: Any, state: Any) -> None:
             isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) or not sum(counts):
         _refuse("counts", counts, f"a list of {len(mine['sources'])} counts >= 0, not all 0")
     in_epoch, ended = _flag(state, "in_epoch"), _flag(state, "ended")
-    offset = _integer(state, "offset", 0, 2**63 - 1)
-    m = order.mixture
+    # Past the pass's positions and the last step's padding (the saving job's batch of every rank), nothing is left
+    # to read: a state that says so but not that the pass ended is not one a loader saved.
+    steps = _integer(state, "batch_size", 1, 2**31) * _integer(state, "world_size", 1, 2**31)
+    offset = _integer(state, "offset", 0, sum(counts) + steps if in_epoch and not ended else 2**63 - 1)
+    unit = _integer(state, "unit", 1, 2**31)
+    m = order.mixture  # (changed only once the whole state is checked)
     if m.setting_sets == order.settings_seen:  # no set_weights since the loader was made: the state's setting
         m.restore_setting(state.get("setting"))
     if m.epoch_sets == order.sets_seen:  # no set_epoch since the loader was made: the state's epoch
         m.restore_epoch(epoch)
-    unit = _integer(state, "unit", 1, 2**31)
     drawn = MixPass(epoch, repeat, tuple(counts), unit)  # type: ignore[arg-type]  # (a list of ints: checked above)
     order.resume = (drawn, offset, ended) if in_epoch else None
     if not in_epoch:
