@@ -93,7 +93,8 @@ def load(loader: Any, state: Any) -> None:
     # Past the pass's positions and the last step's padding (the saving job's batch of every rank), nothing is left
     # to read: a state that says so but not that the pass ended is not one a loader saved.
     steps = _integer(state, "batch_size", 1, 2**31) * _integer(state, "world_size", 1, 2**31)
-    offset = _integer(state, "offset", 0, sum(counts) + steps if in_epoch and not ended else 2**63 - 1)
+    total = sum(counts)  # type: ignore[arg-type]  # (a list of ints: checked above)
+    offset = _integer(state, "offset", 0, total + steps if in_epoch and not ended else 2**63 - 1)
     unit = _integer(state, "unit", 1, 2**31)
     m = order.mixture  # (changed only once the whole state is checked)
     if m.setting_sets == order.settings_seen:  # no set_weights since the loader was made: the state's setting
