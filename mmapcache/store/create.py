@@ -123,7 +123,7 @@ def create(
     # A file system reporting no size at all (tmpfs mounted with size=0 is unlimited; /proc and sysfs hold no
     # files) gets no up-front check: the reservation below still fails cleanly if the room is not there.
     if needed > free and os.statvfs(parent).f_blocks:
-        raise InsufficientSpaceError(_space_message(path, needed, free, layout, variants, length))
+        raise InsufficientSpaceError(_space_message(path, needed, free, length))
     try:
         scratch = make_scratch(parent, "new")
     except OSError as exc:
@@ -168,8 +168,7 @@ def create(
                              "here); raise the open-file limit (`ulimit -n`), or return fewer, larger fields (stack "
                              "values into tensors)")
                 raise
-            raise InsufficientSpaceError(_space_message(path, needed, free_bytes(parent), layout, variants,
-                                                        length)) from None
+            raise InsufficientSpaceError(_space_message(path, needed, free_bytes(parent), length)) from None
         remove_scratch(scratch)
         raise
     except BaseException:
@@ -275,9 +274,9 @@ def _reserve(path: str, size: int, keep_open: bool = False) -> int:
     return -1
 
 
-def _space_message(path: str, needed: int, free: int, layout: Layout, variants: int, length: int) -> str:
-    per_sample = max(1, layout.row_bytes * variants)
-    fit = max(0, int(free * 0.95) // per_sample)
+def _space_message(path: str, needed: int, free: int, length: int) -> str:
+    # (what fits, at the bytes a sample needs in all: its rows and its ragged values' estimate, not only its rows)
+    fit = min(length, int(free * 0.95) * length // max(needed, 1))
     return (
         f"not enough space for the cache at {path}: it needs {needed} bytes ({format_size(needed)}), "
         f"{os.path.dirname(path)} has {free} bytes ({format_size(free)}) free. Fixes: cache part of the dataset with "

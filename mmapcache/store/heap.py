@@ -465,6 +465,9 @@ class Heap:
         with contextlib.suppress(OSError):
             os.close(self.fd)
         self.buf, self._elements = np.empty(0, np.uint8), None
+        # No view of heaps.u64 kept: its map can then be closed (a mapped file keeps its file system busy).
+        detached = np.zeros_like(self.counters)
+        self.counters, self.words = detached, memoryview(detached).cast("B").cast("Q")  # type: ignore[arg-type]
         for m in self._maps:
             with contextlib.suppress(BufferError, ValueError):
                 m.close()

@@ -315,6 +315,8 @@ class Store:
         self.data.clear()
         self.shapes.clear()
         self.index.clear()
+        # (a view of heaps.u64's map: while it lives the map cannot be closed, and the file system stays busy)
+        self.heap_counters = np.zeros((0, HEAP_BLOCK), "<u8")
         self._finalizer()
 
 
