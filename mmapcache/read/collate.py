@@ -22,7 +22,7 @@ from torch.utils.data import default_collate
 from ..format.layout import JSON, TEXT_KINDS
 from . import arena
 from .gather import buffers, in_dataloader_worker
-from .heap_batch import Located, WarmRows, copy_rows, mark_rows, mask_of, padded_tensor
+from .heap_batch import Located, WarmRows, bits_of, copy_rows, mark_rows, mask_of, padded_tensor
 from .ragged import RAGGED_MARK, torch_target
 
 __all__ = ["PadCollate", "Padded"]
@@ -275,7 +275,9 @@ def _join(prefix: str, key: str) -> str:
 
 def _number_lists(values: list[Any]) -> bool:
     """Whether a batch's values are lists of Python numbers (token ids), some of them possibly empty ``[]``, and
-    maybe tensors or arrays among them (sources that give ids in both forms)."""
+    maybe tensors or arrays among them (sources that give ids in both forms; one first is padded as tensors are)."""
+    if not values or type(values[0]) is not list:
+        return False
     found = False
     for value in values:
         if type(value) is not list:
@@ -300,6 +302,14 @@ def typed_alike(values: list[Any], empty: torch.dtype | None = None) -> tuple[li
     torch an empty tensor float32); where every one is empty, ``empty`` (None: the first value's own). A dtype
     numpy lacks (bfloat16) is given as its bits."""
     arrays = [_as_numpy(v) for v in values]
+    if arrays:  # (the usual batch: every value of one type and dtype, decided without a step per value)
+        first = values[0]
+        if isinstance(first, torch.Tensor):
+            if all(isinstance(v, torch.Tensor) and v.dtype == first.dtype for v in values):
+                return arrays, first.dtype
+        elif arrays[0].size and all(a.dtype == arrays[0].dtype for a in arrays) and not any(
+                isinstance(v, torch.Tensor) for v in values):  # (an empty list's float64 is no dtype of its own)
+            return arrays, _torch_of(arrays[0].dtype)
     dtypes = [_dtype_of(v, a) for v, a in zip(values, arrays)]
     full = [dtype for dtype, a in zip(dtypes, arrays) if a.size]
     if full:
@@ -317,17 +327,26 @@ def typed_alike(values: list[Any], empty: torch.dtype | None = None) -> tuple[li
 
 def _as_numpy(value: Any) -> np.ndarray:
     if isinstance(value, torch.Tensor):
-        tensor = value.as_subclass(torch.Tensor).detach()
-        try:
-            return tensor.numpy()
-        except TypeError:  # bfloat16 and other dtypes numpy lacks: their bits, viewed back after padding
-            return tensor.view(getattr(torch, f"uint{8 * tensor.element_size()}")).numpy()
+        tensor = value.detach() if type(value) is torch.Tensor else value.as_subclass(torch.Tensor).detach()
+        bits = bits_of(tensor.dtype)  # (bfloat16 and other dtypes numpy lacks: their bits, viewed back after padding)
+        return (tensor if bits is None else tensor.view(bits)).numpy()
     return np.asarray(value)
 
 
 def _dtype_of(value: Any, array: np.ndarray) -> torch.dtype:
     """The torch dtype of a value (``array``, ``_as_numpy(value)``): a tensor's own, else its array's."""
-    return value.dtype if isinstance(value, torch.Tensor) else torch.from_numpy(np.empty(0, array.dtype)).dtype
+    return value.dtype if isinstance(value, torch.Tensor) else _torch_of(array.dtype)
+
+
+_torch_dtypes: dict[np.dtype, torch.dtype] = {}
+
+
+def _torch_of(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy one, kept per dtype (asking torch costs a microsecond or two)."""
+    known = _torch_dtypes.get(dtype)
+    if known is None:
+        known = _torch_dtypes[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return known
 
 
 def _element_size(dtype: torch.dtype) -> int:

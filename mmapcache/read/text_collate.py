@@ -505,8 +505,7 @@ def _collated(values: list[Any]) -> Any:
     free) and gives it back (``default_collate`` would transpose lists of one length into a tensor per position, and
     refuse lists of several)."""
     first = values[0]
-    if type(first) is list and all(type(v) is list for v in values) and all(
-            _is_number(x) for v in values for x in v):
+    if type(first) is list and all(type(v) is list for v in values) and all(_numbers(v) for v in values):
         return values
     if isinstance(first, Mapping):
         return {key: _collated([v[key] for v in values]) for key in first}
@@ -557,7 +556,7 @@ def _paths(sample: Mapping[str, Any]) -> set[str]:
         if isinstance(value, Mapping):
             for k, v in value.items():
                 walk(v, f"{path}.{k}")
-        elif isinstance(value, tuple) or (isinstance(value, list) and not all(_is_number(v) for v in value)):
+        elif isinstance(value, tuple) or (isinstance(value, list) and not _numbers(value)):
             for k, v in enumerate(value):
                 walk(v, f"{path}.{k}")
 
@@ -580,13 +579,19 @@ def _sequences(values: list[Any]) -> bool:
     if isinstance(first, np.ndarray):
         return first.ndim == 1 and first.dtype.kind in "biuf"
     if isinstance(first, list):  # (tensors or arrays among them: sources that give ids in both forms)
-        return all(all(_is_number(x) for x in v) if isinstance(v, list) else
+        return all(_numbers(v) if isinstance(v, list) else
                    isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 1 for v in values)
     return False
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (str, bytes))
+def _numbers(values: list[Any]) -> bool:
+    """Whether a list holds numbers only (ints, floats, bools, numpy's), asked once per type in it (a list of token
+    ids holds hundreds of ints: an isinstance each cost 4x the padding over samples of lists)."""
+    return all(kind in _NUMBER_TYPES or (issubclass(kind, (int, float, np.integer, np.floating)) and not issubclass(
+        kind, (str, bytes))) for kind in set(map(type, values)))
+
+
+_NUMBER_TYPES = frozenset((int, float, bool))
 
 
 def _one_dim(field: Any) -> bool:
