@@ -165,3 +165,16 @@ def test_a_state_of_format_2_resumes_elastically_too(filled: str) -> None:
         old["format"] = "mmapcache.loader/2"
         resumed, _ = _resumed(ds, 3, 4, old, epoch)
         _check_rest(resumed, order[16:], 3)
+
+
+def test_the_padding_goes_on_from_an_offset_inside_it() -> None:
+    """``padded_rest`` from an offset past the order's end (a node of node shares that pads over several steps, whose
+    state was saved inside its padding): the padding goes on where it was, not from the order's start again."""
+    import numpy as np
+
+    from mmapcache.read.epoch_split import padded_rest
+
+    order = np.arange(5) + 10
+    uninterrupted = padded_rest(order, 0, 1, total=12)  # 5 positions, then the padding: 10..14, 10, 11
+    for offset in range(13):
+        assert padded_rest(order, offset, 1, total=12 - offset).tolist() == uninterrupted[offset:].tolist(), offset

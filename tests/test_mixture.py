@@ -482,6 +482,25 @@ def test_a_mixture_of_node_shares_reads_every_sample_of_an_epoch_with_default_we
     assert 0 <= padding <= 2 + 2 * ranks  # the smaller node's (2 samples short) and the ranks' rounding
 
 
+def test_a_mixture_of_node_shares_resumes_at_every_step_inside_its_padding_too(shm_dir: str) -> None:
+    """Found by review: node 0 (shares a 6|7, b 3|4, c 2|3: 11 positions against node 1's 14) pads over its last
+    steps; a state saved inside that padding (offset 12 of 11) resumed with the padding started again from the
+    order's first position: other samples than the uninterrupted run's."""
+    sources = {name: MmapCachedDataset(os.path.join(shm_dir, name), Rows(size, tag), node_share=(0, 2))
+               for name, size, tag in (("a", 13, 1), ("b", 7, 2), ("c", 5, 3))}
+    mix = Mixture(sources, seed=1)
+    whole = _epoch(mix.loader(batch_size=2, rank=0, world_size=1))
+    assert len(whole) == 7  # (the job's 14 positions a node: node 0 pads 3)
+    for k in range(len(whole) + 1):
+        loader = mix.loader(batch_size=2, rank=0, world_size=1)
+        it = iter(loader)
+        for _ in range(k):
+            next(it)
+        again = mix.loader(batch_size=2, rank=0, world_size=1)
+        again.load_state_dict(loader.state_dict())
+        assert _epoch(again) == whole[k:], k
+
+
 def test_loader_state_resumes_a_mixture_of_node_shares_on_the_job_that_saved_it(shm_dir: str, tmp_path: Any) -> None:
     """Found by review: Hugging Face's ``LoaderState`` compared the state's ranks (a mixture of node shares records
     its node's, 2) with ``Trainer``'s job (2 nodes x 2 ranks: 4), and refused to resume the job that saved it. It

@@ -40,7 +40,9 @@ def padded_rest(order: np.ndarray, offset: int, world: int, total: int | None = 
         total = math.ceil(len(rest) / world) * world
     if total == len(rest):
         return rest
-    return np.concatenate((rest, np.resize(order, total - len(rest))))
+    # (from an offset inside the padding, it goes on where the padding was)
+    skipped = (offset - len(order)) % len(order) if offset > len(order) and len(order) else 0
+    return np.concatenate((rest, np.resize(np.roll(order, -skipped), total - len(rest))))
 
 
 def interleaved(order: np.ndarray, offset: int, rank: int, world: int) -> np.ndarray:

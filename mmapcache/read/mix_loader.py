@@ -216,8 +216,10 @@ class MixtureOrder(DistributedSampler):
 
     @staticmethod
     def _positions(span: tuple[int, int, int], base: int, rest: int, total: int) -> np.ndarray:
-        padded = np.arange(*span, dtype=np.int64)
-        return np.where(padded < rest, base + padded, (padded - rest) % max(total, 1))
+        # Past the order's end, the padding repeats it from its start, cyclically: where a resumed pass starts
+        # inside the padding (a node of node shares with less to read than the job's steps), it goes on from there.
+        at = base + np.arange(*span, dtype=np.int64)
+        return np.where(at < total, at, (at - total) % max(total, 1))
 
     def batches(self, drawn: MixPass, base: int = 0) -> list[np.ndarray]:
         """This rank's batches of the pass from position ``base`` on, as flat ids."""
