@@ -62,3 +62,47 @@ def test_threads_missing_at_once_finish_and_do_not_block_other_processes(shm_dir
                            timeout=60)
     assert other.returncode == 0 and "other miss" in other.stdout, other.stderr[-2000:]
     assert time.monotonic() - started < 60
+
+
+def test_closing_a_cache_under_another_threads_loader_stops_it_with_a_clear_error(cache_path: str) -> None:
+    """Found by review: ``ds.close()`` while another thread's cold loader filled the cache killed that thread with
+    ``AttributeError: 'SlotState' object has no attribute 'changes'``. It says the cache was closed under it now, and
+    what was stored is sound."""
+    import threading
+
+    import torch
+
+    from mmapcache import MmapCachedDataset
+
+    reached, closed = threading.Event(), threading.Event()
+
+    class Waits(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 200
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            if i == 40:
+                reached.set()
+                closed.wait(30)
+            return {"input_ids": torch.arange(1 + i % 17) + i}
+
+    ds = MmapCachedDataset(cache_path, Waits())
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for _ in ds.loader(batch_size=8):
+                pass
+        except BaseException as exc:  # (reported to the test)
+            errors.append(exc)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    assert reached.wait(30)
+    ds.close()
+    closed.set()
+    thread.join(60)
+    assert len(errors) == 1 and isinstance(errors[0], ValueError), errors
+    assert "was closed (ds.close()) while this process still read or filled it" in str(errors[0])
+    with MmapCachedDataset(cache_path, Waits()) as again:
+        assert all(torch.equal(again[i]["input_ids"], torch.arange(1 + i % 17) + i) for i in range(200) if i != 40)

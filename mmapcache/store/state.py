@@ -23,7 +23,7 @@ import contextlib
 import mmap
 import os
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -61,6 +61,7 @@ class SlotState:
     def __init__(self, directory: str, rows: int, writable: bool) -> None:
         self.rows = rows
         self.writable = writable
+        self.directory = directory
         self.lock = WriterLock(directory)
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         nbits = bitmap_bytes(rows)
@@ -363,6 +364,15 @@ class SlotState:
                 self._end_change_locked()
         return len(targets)
 
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for a view ``close`` removed (normal lookups never come here): a reader still at work on the
+        # closed cache, such as a loader another thread iterates while this one closes the dataset.
+        if name in _VIEWS:
+            raise ValueError(f"the cache at {self.directory} was closed (ds.close()) while this process still read "
+                             "or filled it (a loader in another thread?): close it after the loops that read it; a "
+                             "new pass opens it again")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def close(self) -> None:
         self.lock.close()
         # Views must go before their maps can close; a map still exported elsewhere stays open until collected.
@@ -372,6 +382,9 @@ class SlotState:
             with contextlib.suppress(BufferError):
                 m.close()
         self._maps = []
+
+
+_VIEWS = frozenset(("filled", "stale", "seq", "filled_np", "stale_np", "seq_np", "keys", "keys_np", "changes"))
 
 
 def map_exact(directory: str, name: str, size: int, access: int, writable: bool) -> mmap.mmap:
