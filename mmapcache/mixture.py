@@ -117,7 +117,7 @@ class Mixture:
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or int(size) < 1:
             raise ValueError(f"epoch_size must be an int >= 1, got {epoch_size!r}")
         shares = list(self.lengths) if weights is None else self._per_source(weights, "weights")
-        if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+        if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and _finite(w) and w >= 0
                    for w in shares) or not sum(shares):
             raise ValueError(f"weights must be finite numbers >= 0, not all 0, got {dict(zip(self.names, shares))}")
         if not math.isfinite(sum(float(w) for w in shares)):  # (each share is its weight over the sum)
@@ -227,3 +227,11 @@ def _shares(names: list[str], datasets: list[Any]) -> list[Any] | None:
 
 def _whole(batch: Any) -> Any:
     return batch  # each item is already a collated batch
+
+
+def _finite(weight: numbers.Real) -> bool:
+    """Whether a weight is a finite number a float holds (an int past 1e308 is none: ``math.isfinite`` raises)."""
+    try:
+        return math.isfinite(weight)
+    except OverflowError:
+        return False

@@ -436,11 +436,12 @@ def test_sources_that_cannot_be_mixed_are_refused_naming_the_difference(shm_dir:
             sample = super().__getitem__(i)
             return {k: sample[k] for k in reversed(list(sample))}
 
-    with pytest.raises(LayoutError, match=r"hold the same fields in another order .* return them in the same order "
-                                          r"from each"):
+    with pytest.raises(LayoutError, match=r"hold the same fields in another order .* return each dict's keys in "
+                                          r"the same order from every source"):
         Mixture([cache("texts2", Texts(10, 1)), cache("reordered", Reordered(10, 2))])
     for bad, match in [({"weights": [1, -1]}, "weights must be finite numbers >= 0"),
                        ({"weights": [1e308, 1e308]}, "sum past the largest float"),
+                       ({"weights": [10 ** 400, 1]}, "weights must be finite numbers >= 0"),
                        ({"weights": {"0": 1}}, r"weights name \['1'\] missing"),
                        ({"counts": [1, 2.5]}, "counts must be ints >= 0"),
                        ({"weights": [1, 1], "counts": [1, 1]}, "not both"),

@@ -636,9 +636,10 @@ def test_stream_misuse_is_explained(cache_path: str) -> None:
         with pytest.warns(StreamBypassWarning, match="read by index .* read a stream through ds.loader"):
             assert ds[3]["i"] == 3  # computed from the source, never from the ring
         # (review: batches handed over out of order moved the cursor past the ones still on their way)
-        with pytest.raises(ValueError, match=r"in_order=False\) with workers hands a stream's batches to the "
-                                             "training loop out of order"):
-            ds.loader(batch_size=4, num_workers=2, in_order=False)
+        for unordered in (False, None, 0):  # (DataLoader tests in_order for truth)
+            with pytest.raises(ValueError, match=r"in_order=False\) with workers hands a stream's batches to the "
+                                                 "training loop out of order"):
+                ds.loader(batch_size=4, num_workers=2, in_order=unordered)
     with pytest.raises(CacheMismatchError, match=r"a stream in the cache, a cache asked for \(stream=False\)"):
         MmapCachedDataset(cache_path, Fresh(N))
     with pytest.raises(CacheMismatchError, match="a stream of seed 0 in the cache, seed=1 given"):

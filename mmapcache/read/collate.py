@@ -309,7 +309,7 @@ def typed_alike(values: list[Any], empty: torch.dtype | None = None) -> tuple[li
                 return arrays, first.dtype
         elif arrays[0].size and all(a.dtype == arrays[0].dtype for a in arrays) and not any(
                 isinstance(v, torch.Tensor) for v in values):  # (an empty list's float64 is no dtype of its own)
-            return arrays, _torch_of(arrays[0].dtype)
+            return arrays, torch_of(arrays[0].dtype)
     dtypes = [_dtype_of(v, a) for v, a in zip(values, arrays)]
     full = [dtype for dtype, a in zip(dtypes, arrays) if a.size]
     if full:
@@ -330,19 +330,22 @@ def _as_numpy(value: Any) -> np.ndarray:
         tensor = value.detach() if type(value) is torch.Tensor else value.as_subclass(torch.Tensor).detach()
         bits = bits_of(tensor.dtype)  # (bfloat16 and other dtypes numpy lacks: their bits, viewed back after padding)
         return (tensor if bits is None else tensor.view(bits)).numpy()
-    return np.asarray(value)
+    array = np.asarray(value)
+    # (another byte order, as np.load gives a foreign file's: torch takes only this machine's)
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 
 def _dtype_of(value: Any, array: np.ndarray) -> torch.dtype:
     """The torch dtype of a value (``array``, ``_as_numpy(value)``): a tensor's own, else its array's."""
-    return value.dtype if isinstance(value, torch.Tensor) else _torch_of(array.dtype)
+    return value.dtype if isinstance(value, torch.Tensor) else torch_of(array.dtype)
 
 
 _torch_dtypes: dict[np.dtype, torch.dtype] = {}
 
 
-def _torch_of(dtype: np.dtype) -> torch.dtype:
-    """The torch dtype of a numpy one, kept per dtype (asking torch costs a microsecond or two)."""
+def torch_of(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy one (of this machine's byte order), kept per dtype (asking torch costs a
+    microsecond or two)."""
     known = _torch_dtypes.get(dtype)
     if known is None:
         known = _torch_dtypes[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype

@@ -69,8 +69,8 @@ def merged_layout(names: Sequence[str], layouts: Sequence[Layout]) -> int:
         names_a, names_b = [f.name for f in first.fields], [f.name for f in other.fields]
         if names_a != names_b and sorted(names_a) == sorted(names_b):
             raise LayoutError(f"{where} hold the same fields in another order ({names_a} and {names_b}): a "
-                              "mixture reads every source's fields in one order; return them in the same order from "
-                              f"each (a dict made as {{k: sample[k] for k in {names_a}}}) and create that cache again")
+                              "mixture reads every source's fields in one order; return each dict's keys in the same "
+                              f"order from every source (fields by path: {names_a}) and create that cache again")
         if other.structure != first.structure or names_b != names_a:
             raise LayoutError(f"{where} hold samples of different structures (fields {[f.name for f in first.fields]}"
                               f" and {[f.name for f in other.fields]}): a mixture's sources must return samples of "

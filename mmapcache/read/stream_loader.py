@@ -57,7 +57,7 @@ class StreamLoader:
                 raise ValueError(f"{name}= chooses an order, and a stream reads its own seeded order (the seed= it "
                                  f"was created with); leave {name} out of ds.loader()")
             kwargs.pop(name, None)
-        if kwargs.get("num_workers") and kwargs.get("in_order") is False:
+        if kwargs.get("num_workers") and not kwargs.get("in_order", True):  # (DataLoader tests it for truth)
             raise ValueError("ds.loader(in_order=False) with workers hands a stream's batches to the training loop out "
                              "of order, while the rank's cursor says which of its positions were handed over (a "
                              "restarted reader would skip the batches still on their way, and read others twice); "

@@ -61,7 +61,7 @@ import torch
 from torch.utils.data import default_collate
 
 from . import arena
-from .collate import typed_alike
+from .collate import torch_of, typed_alike
 from .heap_batch import Located, WarmRows, flat_tensor, mask_of, padded_tensor, positions
 from .lengths import TOKEN_FIELDS
 from .nested import nested, nested_fields
@@ -606,8 +606,8 @@ def _arrays(values: list[Any]) -> tuple[list[np.ndarray], torch.dtype]:
     first = next((v for v in values if not isinstance(v, list)), None)
     if first is None:
         return typed_alike(values, torch.int64)
-    return typed_alike(values, first.dtype if isinstance(first, torch.Tensor) else torch.from_numpy(
-        np.empty(0, np.asarray(first).dtype)).dtype)
+    return typed_alike(values, first.dtype if isinstance(first, torch.Tensor) else torch_of(
+        np.asarray(first).dtype.newbyteorder("=")))
 
 
 def _target(field: Any) -> torch.dtype:
