@@ -268,8 +268,16 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
             reader = self._ensure_open()
         n = self._length
         i = index if type(index) is int and 0 <= index < n else check_index(index, n, self._where())
+        return self._sample(reader, i, self._epoch_view[0])
+
+    def sample_at(self, index: int, epoch: int) -> Any:
+        """``ds[index]`` of ``epoch``'s variant (``samples_at`` for one index, as ``ds[i]`` gives it)."""
+        return self._sample(self._ensure_open(), check_index(index, self._length, self._where()), epoch)
+
+    def _sample(self, reader: RowReader, i: int, epoch: int) -> Any:
+        """Sample ``i`` (valid) of ``epoch``'s variant, transformed."""
         rows = self._rows
-        row = rows.row(i, self._epoch_view[0])
+        row = rows.row(i, epoch)
         sample = reader.read(row, i if rows.keyed else -1) if row >= 0 else None
         if sample is None:
             sample = self._misses.one(i, row) if self._ring is None else self._miss(i, row)
@@ -277,13 +285,20 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Fetches a batch: one gather per field (the protocol ``torch.utils.data`` uses when present)."""
+        return self.samples_at(indices)
+
+    def samples_at(self, indices: Sequence[int] | np.ndarray, epoch: int | None = None) -> list[Any]:
+        """The samples of ``indices`` as ``__getitems__`` gives them, of ``epoch``'s variants (None: this dataset's
+        epoch): what a loader's batch reads, keyed by the epoch its order was drawn for (a mixture's, set on the
+        mixture and not on its sources). Safe across processes and threads."""
         reader = self._ensure_open()
         idx = check_indices(indices, self._length, self._where())
+        epoch = self._epoch_view[0] if epoch is None else epoch
         if reader.variable or len(idx) == 0:
-            return [self[int(i)] for i in idx]
+            return [self._sample(reader, int(i), epoch) for i in idx]
         # In a DataLoader worker the batch arrays are shared memory: default_collate hands them on as they are (see
         # mmapcache.collate), and they cross to the main process without a copy.
-        samples = reader.samples(self.gather_columns(idx, self._epoch_view[0], column_alloc(reader.fields, len(idx))))
+        samples = reader.samples(self.gather_columns(idx, epoch, column_alloc(reader.fields, len(idx))))
         if self.transform is not None:
             samples = [self.transform(s) for s in samples]
         return samples

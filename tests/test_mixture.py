@@ -454,6 +454,45 @@ def test_sources_that_cannot_be_mixed_are_refused_naming_the_difference(shm_dir:
         Mixture([rows]).loader(batch_size=2, sampler=[0])
 
 
+class _Versions(torch.utils.data.Dataset):
+    """Sample ``i``'s ``k``-th computation is ``i * 1000 + k``: with ``variants``, variant ``k`` of ``i`` as filled."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, collections.Counter()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.calls[i] += 1
+        return {"x": torch.tensor([i * 1000 + self.calls[i] - 1])}
+
+
+def test_a_mixture_of_caches_with_variants_reads_the_mixtures_epoch_whatever_the_collate(shm_dir: str) -> None:
+    """Found by review: with PadCollate or TextCollate a mixture's batch read variant ``e % K`` of
+    ``mix.set_epoch(e)``; with any other collate_fn, or a source with a transform, it read the sources' own epoch's
+    (variant 0 forever): other samples for the same mixture, epoch and indices, and augmentations that never
+    rotated."""
+    sources = []
+    for name, n in (("a", 6), ("b", 4)):
+        ds = MmapCachedDataset(os.path.join(shm_dir, name), _Versions(n), variants=3, deterministic=False, ragged=None)
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            ds.fill()
+        ds.set_epoch(0)
+        sources.append(ds)
+    mix = Mixture({"a": sources[0], "b": sources[1]})
+    for epoch in range(3):
+        expected = sorted(i * 1000 + epoch for n in (6, 4) for i in range(n))
+        mix.set_epoch(epoch)
+        padded = [int(v) for b in mix.loader(batch_size=5, collate_fn=PadCollate(0)) for v in b["x"].reshape(-1)]
+        for workers in (0, 2):
+            mix.set_epoch(epoch)
+            listed = [int(s["x"][0]) for b in mix.loader(batch_size=5, collate_fn=list, num_workers=workers)
+                      for s in b]
+            assert sorted(listed) == sorted(padded) == expected, (epoch, workers)
+
+
 # --- node shares -----------------------------------------------------------------------------------------------------
 
 

@@ -305,18 +305,20 @@ class _Samples(_Reads):
 
     def __getitem__(self, key: tuple[int, Any]) -> Any:
         try:
-            _, indices = key
+            epoch, indices = key
         except (TypeError, ValueError):
             raise _not_a_batch_key(key) from None
         if not self.batched:
-            return arena.read(self.lending, self._one, indices)
-        return arena.read(self.lending, self._many, indices)
+            return arena.read(self.lending, self._one, indices, epoch)
+        return arena.read(self.lending, self._many, indices, epoch)
 
-    def _one(self, i: int) -> Any:
-        return self.collate(self.ds[i])
+    # (the variants of the epoch the batch's order was drawn for, as the gathered batches read them: a set_epoch
+    # between the order's draw and this read changes neither)
+    def _one(self, i: int, epoch: int) -> Any:
+        return self.collate(self.ds.sample_at(i, epoch))
 
-    def _many(self, indices: Any) -> Any:
-        return self.collate(self.ds.__getitems__(indices.tolist()))
+    def _many(self, indices: Any, epoch: int) -> Any:
+        return self.collate(self.ds.samples_at(indices, epoch))
 
     def __len__(self) -> int:
         return len(self.ds)

@@ -46,7 +46,7 @@ class _Source(Protocol):
 
     def collate_columns(self, columns: list[Any], pad: Any = None) -> Any: ...
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]: ...
+    def samples_at(self, indices: Sequence[int] | np.ndarray, epoch: int | None = None) -> list[Any]: ...
 
     def __len__(self) -> int: ...
 
@@ -152,8 +152,8 @@ class MixedReads(Dataset):
             parts = [(s, bounds[s], bounds[s + 1]) for s in range(len(self.sources)) if bounds[s + 1] > bounds[s]]
             batch = self._gathered(epoch, indices, parts)
         else:
-            samples = [x for s in range(len(self.sources))
-                       for x in self.sources[s].__getitems__(indices[bounds[s]:bounds[s + 1]].tolist())]
+            samples = [x for s in range(len(self.sources))  # (the variants of the mixture's epoch, as above)
+                       for x in self.sources[s].samples_at(indices[bounds[s]:bounds[s + 1]], epoch)]
             batch = (self.collate or self.pad or default_collate)(samples)
         if not self.return_source:
             return batch
