@@ -364,27 +364,34 @@ class SlotState:
                 self._end_change_locked()
         return len(targets)
 
-    def __getattr__(self, name: str) -> Any:
-        # Reached only for a view ``close`` removed (normal lookups never come here): a reader still at work on the
-        # closed cache, such as a loader another thread iterates while this one closes the dataset.
-        if name in _VIEWS:
-            raise ValueError(f"the cache at {self.directory} was closed (ds.close()) while this process still read "
-                             "or filled it (a loader in another thread?): close it after the loops that read it; a "
-                             "new pass opens it again")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     def close(self) -> None:
         self.lock.close()
-        # Views must go before their maps can close; a map still exported elsewhere stays open until collected.
-        del self.filled, self.stale, self.seq, self.filled_np, self.stale_np, self.seq_np, self.keys, self.keys_np
-        del self.changes
+        # Views must go before their maps can close; a map still exported elsewhere stays open until collected. In
+        # their place, what says so to a reader still at work on the closed cache (a loader another thread
+        # iterates while this one closes the dataset). (Not a __getattr__: a class with one has every attribute
+        # read unspecialised, and these are the warm read path's.)
+        closed = _Closed(self.directory)
+        self.filled = self.stale = self.seq = self.keys = self.changes = closed  # type: ignore[assignment]
+        self.filled_np = self.stale_np = self.seq_np = self.keys_np = closed  # type: ignore[assignment]
         for m in self._maps:
             with contextlib.suppress(BufferError):
                 m.close()
         self._maps = []
 
 
-_VIEWS = frozenset(("filled", "stale", "seq", "filled_np", "stale_np", "seq_np", "keys", "keys_np", "changes"))
+class _Closed:
+    """A closed cache's state views: any index into one raises, saying the cache was closed under the reader."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __getitem__(self, key: Any) -> Any:
+        raise ValueError(f"the cache at {self.directory} was closed (ds.close()) while this process still read or "
+                         "filled it (a loader in another thread?): close it after the loops that read it; a new pass "
+                         "opens it again")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self[key]
 
 
 def map_exact(directory: str, name: str, size: int, access: int, writable: bool) -> mmap.mmap:
