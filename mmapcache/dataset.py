@@ -30,6 +30,7 @@ from .fill.options import (
 from .fill.stream import StreamControls
 from .read.gather import column_alloc
 from .read.loader import make_loader
+from .read.ragged import mark_ragged
 from .read.reader import RowReader
 from .read.sampler import ShareSampler
 from .read.stream import StreamReads, warn_bypass
@@ -280,13 +281,16 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         """``ds[index]`` of ``epoch``'s variant (``samples_at`` for one index, as ``ds[i]`` gives it)."""
         return self._sample(self._ensure_open(), check_index(index, self._length, self._where()), epoch)
 
-    def _sample(self, reader: RowReader, i: int, epoch: int) -> Any:
-        """Sample ``i`` (valid) of ``epoch``'s variant, transformed."""
+    def _sample(self, reader: RowReader, i: int, epoch: int, batched: bool = False) -> Any:
+        """Sample ``i`` (valid) of ``epoch``'s variant, transformed. ``batched``: its ragged fields' tensors marked
+        as a gathered batch's are, which ``default_collate`` lists instead of stacking (``read.ragged``)."""
         rows = self._rows
         row = rows.row(i, epoch)
         sample = reader.read(row, i if rows.keyed else -1) if row >= 0 else None
         if sample is None:
             sample = self._misses.one(i, row) if self._ring is None else self._miss(i, row)
+        if batched:
+            mark_ragged(sample, reader.fields)
         return self.transform(sample) if self.transform is not None else sample
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
@@ -300,8 +304,8 @@ class MmapCachedDataset(CacheContents, StreamControls, Dataset):
         reader = self._ensure_open()
         idx = check_indices(indices, self._length, self._where())
         epoch = self._epoch_view[0] if epoch is None else epoch
-        if reader.variable or len(idx) == 0:
-            return [self._sample(reader, int(i), epoch) for i in idx]
+        if reader.variable or len(idx) == 0:  # (read one by one: a max_shapes field)
+            return [self._sample(reader, int(i), epoch, batched=True) for i in idx]
         # In a DataLoader worker the batch arrays are shared memory: default_collate hands them on as they are (see
         # mmapcache.collate), and they cross to the main process without a copy.
         samples = reader.samples(self.gather_columns(idx, epoch, column_alloc(reader.fields, len(idx))))

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from helpers.feature_workers import list_collate, pad_collate
 from helpers.sources import Counting, sample_equal
-from mmapcache import CacheMismatchError, LayoutError, MmapCachedDataset
+from mmapcache import CacheMismatchError, LayoutError, MmapCachedDataset, PadCollate
 
 
 class Images(Dataset):
@@ -212,3 +212,38 @@ def test_variable_shapes_with_variants_and_a_partial_cache(cache_path: str) -> N
         shapes = ds._store.shapes[0]
         for slot, index in enumerate([5, 0, 7, 2]):
             assert shapes[2 * slot].tolist() == shapes[2 * slot + 1].tolist() == [index % 6]
+
+
+class _ImageAndTokens(Dataset):
+    """A ``max_shapes`` image beside ragged token ids (top level and nested): a cache read one sample at a time."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index: int) -> Any:
+        ids = torch.arange(1 + index % 5) + 100 * index
+        return {"img": torch.zeros(2, 3), "input_ids": ids, "meta": {"ids": ids + 1}}
+
+
+def test_ragged_fields_beside_a_max_shapes_field_are_listed_by_default_collation(cache_path: str) -> None:
+    """Found by review: with a ``max_shapes`` field, batches are read sample by sample, whose ragged tensors were not
+    marked as a gathered batch's are, so default collation stacked them and failed ("stack expects each tensor to be
+    equal size"), also with the guide's ``PadCollate(fields=[the max_shapes field])``. They come back as the list of
+    their values, as the guide says a ragged field does."""
+    source = _ImageAndTokens()
+    with MmapCachedDataset(cache_path, source, max_shapes={"img": (2, 4)}) as ds:
+        assert ds._ensure_open().variable
+        for _state in ("cold", "warm"):
+            for make in (lambda: DataLoader(ds, batch_size=7), lambda: ds.loader(batch_size=7),
+                         lambda: ds.loader(batch_size=7, num_workers=2),
+                         lambda: ds.loader(batch_size=7, collate_fn=PadCollate(0, fields=["img"]))):
+                seen = []
+                for batch in make():
+                    ids, nested = batch["input_ids"], batch["meta"]["ids"]
+                    assert isinstance(ids, list) and isinstance(nested, list)
+                    first = [int(t[0]) // 100 for t in ids]
+                    assert all(torch.equal(t, source[i]["input_ids"]) for t, i in zip(ids, first))
+                    assert all(torch.equal(t, source[i]["meta"]["ids"]) for t, i in zip(nested, first))
+                    seen += first
+                assert sorted(seen) == list(range(20))
+            ds.fill()

@@ -11,7 +11,7 @@ from, and the splitters cut into per-sample values.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,8 @@ from ..format.codec import leaf_converter
 from ..format.layout import BYTES, STR, TENSOR, TEXT_ERRORS, TEXT_KINDS, Field
 from ..store.heap import Heap
 
-__all__ = ["RAGGED_MARK", "RaggedColumn", "Torn", "gather_ragged", "ragged_reader", "ragged_splitter", "str_reader",
+__all__ = ["RAGGED_MARK", "RaggedColumn", "Torn", "gather_ragged", "mark_ragged", "ragged_reader", "ragged_splitter",
+           "str_reader",
            "torch_target"]
 
 RAGGED_MARK = "_mmapcache_ragged"  # on a ragged field's tensor values: default_collate lists them (read.collate)
@@ -274,3 +275,25 @@ def ragged_splitter(field: Field, path: str = "PATH") -> Callable[[RaggedColumn]
             return parts
         return split_tensors
     return lambda column: [convert(p) for p in column.parts()]
+
+
+def mark_ragged(sample: Any, fields: Sequence[Field]) -> None:
+    """Marks the tensors of ``sample``'s ragged fields (found by their paths, ``"meta.ids"``, ``"0"``) as a gathered
+    batch's values are marked (``ragged_splitter``): a batch read sample by sample (a cache with a ``max_shapes``
+    field) is then collated as a gathered one, its ragged values listed."""
+    import torch
+
+    for field in fields:
+        if not field.ragged or field.kind != TENSOR:
+            continue
+        value = sample
+        for key in ([] if field.name == "<sample>" else field.name.split(".")):
+            if isinstance(value, Mapping):
+                value = value.get(key)
+            elif isinstance(value, (tuple, list)) and key.isdigit() and int(key) < len(value):
+                value = value[int(key)]
+            else:
+                value = None
+                break
+        if isinstance(value, torch.Tensor):
+            setattr(value, RAGGED_MARK, True)
