@@ -59,8 +59,14 @@ def test_lengths_are_each_samples_first_dimension_read_from_the_index(cache_path
         ds.lengths("ids")
     ds.refresh(indices=[4])
     with pytest.raises(SampleNotCachedError, match=rf"1 of its {N} samples are not stored yet \(or stale\)"):
-        ds.lengths("input_ids")
+        ds.lengths("input_ids")  # (stale="recompute": a read computes it again, of a length not known yet)
     ds.close()
+    # Found by review: stale="serve" reads a stale row as it is (beside `mmapcache build --follow`, which rewrites
+    # it), so its length is the stored one: refused, a length-grouped loader failed at each epoch's start.
+    with MmapCachedDataset(cache_path, source, stale="serve") as served:
+        assert np.array_equal(served.lengths("input_ids"), source.lengths)
+        loader = served.loader(batch_size=8, shuffle=True, collate_fn=TextCollate(0), group_by_length="input_ids")
+        assert sorted(i for b in loader for i in (b["input_ids"][:, 0] // 1000).tolist()) == list(range(N))
 
 
 def test_lengths_of_fixed_and_max_shapes_fields_and_of_each_variant(shm_dir: str) -> None:

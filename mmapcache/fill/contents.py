@@ -71,7 +71,8 @@ class CacheContents:
         """Every sample's length in ``field``, as an int64 array of ``len(ds)``: the size of its value's first
         dimension (a token field's tokens; a ``str``'s UTF-8 bytes), read from the cache's index without reading a
         value, for the epoch's variant (default: the current epoch's). For token budgets, packing, and
-        ``ds.loader(group_by_length=...)``.
+        ``ds.loader(group_by_length=...)``. The stored values' lengths: a ``transform=`` that changes them (a
+        random crop, truncation) is not seen.
 
         Raises:
             ValueError: no such field, a scalar field, or a stream (whose ring holds positions, not samples).

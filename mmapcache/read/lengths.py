@@ -4,7 +4,8 @@ token budgets and packing need (``MmapCachedDataset.lengths``), and the grouping
 A length is the size of a value's first dimension: a token field's tokens, a ragged ``str``'s UTF-8 bytes, a field
 of boxes' boxes. For a ragged field it is the index row's first shape word, for a ``max_shapes`` field its shape
 file's, and a fixed field's is its one shape. Only stored samples have one: the cache must hold every sample (its
-current variant, not stale), and a cache a writer changes while the lengths are read is read again.
+current variant, and not stale unless stale rows are served as they are, ``stale="serve"``: what a read gives), and a
+cache a writer changes while the lengths are read is read again.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def sample_lengths(reader: Any, rows: np.ndarray, field: str, where: str) -> np.
     for _ in range(_TRIES):
         counter = state.all_complete()
         if counter < 0:
-            missing = len(rows) - int((state.filled_rows(rows) & ~state.stale_rows(rows)).sum())
+            stored = state.filled_rows(rows)
+            if reader.recompute_stale:  # (stale="serve": a stale row is read as it is, its length too)
+                stored &= ~state.stale_rows(rows)
+            missing = len(rows) - int(stored.sum())
             if missing:
                 raise SampleNotCachedError(
                     f"{where}: {missing} of its {len(rows)} samples are not stored yet (or stale), and lengths are "
