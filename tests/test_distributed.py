@@ -8,9 +8,13 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
+import time
+import warnings
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from helpers.processes import another_process, join_all, running
 from helpers.sources import Counting, ImageLabels
@@ -97,6 +101,74 @@ def test_prefill_without_process_group_waits_on_the_cache(cache_path: str, tmp_p
         assert join_all(procs, TIMEOUT) == [0, 0]
     counted = calls(log)
     assert all(counted[i] == 1 for i in range(1, N)) and counted[0] == 2  # each rank probed sample 0 once
+
+
+def _prefill_slow_rank(path: str, log: str, rank: int, patience: float) -> None:
+    ds = MmapCachedDataset(path, Counting(ImageLabels(600, delay=0.01), log), ragged=None, fingerprint="slow")
+    prefill(ds, rank=rank, world_size=2, patience=patience)
+    ds.close()
+
+
+def test_prefill_waits_for_a_live_peer_whose_batches_are_slow(cache_path: str, tmp_path) -> None:
+    """Found by review: fill() stored a batch of up to 1,024 samples at its end, so a live peer computing one of slow
+    samples showed no progress for longer than the patience, and the waiting rank computed its whole share again
+    (645 of 645 twice, with the default 60 s). fill's batches take about half a second of the source at most now."""
+    log = str(tmp_path / "calls")
+    with MmapCachedDataset(cache_path, ImageLabels(600), ragged=None, fingerprint="slow") as ds:
+        ds.fill(ds.cacheable_indices()[0::2])  # rank 0's share stored already (a resumed prefill)
+    ctx = another_process()
+    procs = [ctx.Process(target=_prefill_slow_rank, args=(cache_path, log, r, 2.0)) for r in (1, 0)]
+    with running(procs):  # (rank 1: 300 samples of 10 ms, 3 s at least, against a patience of 2 s)
+        assert join_all(procs, TIMEOUT) == [0, 0]
+    counted = calls(log)
+    assert sorted(counted) == list(range(1, 600, 2)) and max(counted.values()) == 1, counted
+
+
+class _OneTooLarge(torch.utils.data.Dataset):
+    """Ragged ids, sample 1's too large for the cache's max_bytes (served uncached, counted), 20 ms a sample."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return 300
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        time.sleep(self.delay)
+        return {"ids": torch.arange(200_000 if i == 1 else 5 + i % 7), "label": i}
+
+
+def _prefill_heap_rank(path: str, log: str, rank: int, out: Any) -> None:
+    ds = MmapCachedDataset(path, Counting(_OneTooLarge(0.02), log), fingerprint="big", max_bytes=400_000,
+                           ragged=["ids"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (sample 1 served uncached, warned)
+        prefill(ds, rank=rank, world_size=2)
+    out.put((rank, ds.missing_indices().tolist()))
+    ds.close()
+
+
+def test_prefill_after_a_heap_once_ran_out_of_room_still_waits_for_a_live_peer(cache_path: str, tmp_path) -> None:
+    """Found by review: once any sample had been served uncached for want of heap room (a counter of the cache's
+    life), the barrier gave up on a peer after 1 s without progress, and a peer storing ragged batches of 64 slow
+    samples was still at work: the rank's first epoch computed what the peer was computing. Only a heap that ran out
+    of room during this prefill cuts the wait short."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with MmapCachedDataset(cache_path, _OneTooLarge(0), fingerprint="big", max_bytes=400_000,
+                               ragged=["ids"]) as ds:
+            ds[1]  # (too large: served uncached, and counted)
+            assert ds.uncached_by_heap == 1
+            ds.fill(ds.cacheable_indices()[0::2])  # rank 0's share stored already
+    log, ctx = str(tmp_path / "calls"), another_process()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_prefill_heap_rank, args=(cache_path, log, r, out)) for r in (1, 0)]
+    with running(procs):
+        assert join_all(procs, TIMEOUT) == [0, 0]
+    missing = dict(out.get(timeout=10) for _ in range(2))
+    assert missing == {0: [1], 1: [1]}  # (only the sample no heap room holds)
+    counted = calls(log)
+    assert all(n == 1 for i, n in counted.items() if i != 1), counted
 
 
 def test_prefill_fills_the_share_of_a_missing_peer_after_patience(cache_path: str, tmp_path) -> None:

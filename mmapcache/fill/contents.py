@@ -4,6 +4,7 @@ methods are the dataset's public API, written beside the miss path they drive.""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +16,9 @@ from ..store.heap import UNCACHED
 from ..store.rows import RowMap, check_index, check_indices
 from .misses import Misses, removed_message
 from .prefill import DEFAULT_PATIENCE, prefill
+
+_FIRST_BATCH = 8  # samples in fill()'s first batch, which times the source
+_BATCH_SECONDS = 0.5  # and the source's time a later batch takes at most
 
 __all__ = ["CacheContents"]
 
@@ -161,11 +165,18 @@ class CacheContents:
         # Computed, checked and stored a batch at a time, as the loader's misses are (Misses.store_batch): one writer
         # lock per batch, not per row. A batch of about 4 MB: its buffers are reused from one batch to the next.
         # (Ragged values live in the heaps, their size unknown here: a batch of them is kept to the old chunk size.)
+        # And of about _BATCH_SECONDS of the source's time at most, from a first batch of a few: a batch is stored
+        # at its end, and a peer's prefill, which watches the rows fill, took a batch of slow samples (1,024 of
+        # 0.1 s) for a dead peer and computed its share again.
         per_batch = max(1, min(64 if reader.ragged else 1024, (4 << 20) // max(1, reader.row_bytes)))
-        epoch, stored = self._epoch_view[0], 0
-        for start in range(0, len(todo), per_batch):
-            idx = todo[start:start + per_batch]
+        epoch, stored, at, size = self._epoch_view[0], 0, 0, min(per_batch, _FIRST_BATCH)
+        while at < len(todo):
+            idx = todo[at:at + size]
+            started = time.perf_counter()
             stored += self._misses.store_batch(idx, self._rows.rows_of(idx, epoch))
+            took = time.perf_counter() - started
+            at += len(idx)
+            size = max(1, min(per_batch, int(len(idx) * _BATCH_SECONDS / max(took, 1e-9))))
         return stored
 
     def prefill(self, *, rank: int | None = None, world_size: int | None = None, barrier: bool = True,

@@ -45,8 +45,9 @@ __all__ = ["DEFAULT_PATIENCE", "prefill"]
 # concludes that a peer died or was never started, and fills what is left itself.
 DEFAULT_PATIENCE = 60.0
 _POLL = 0.05
-# Without progress for this long after a heap ran out of room, the rest is taken as unstorable (see _wait_filled).
-_HEAP_FULL_PATIENCE = 1.0
+# Without progress for this long after a heap ran out of room, the rest is taken as unstorable (see _wait_filled):
+# a few of fill()'s batches (each of about 0.5 s of the source's time at most: fill.contents).
+_HEAP_FULL_PATIENCE = 2.0
 
 
 def prefill(
@@ -89,6 +90,7 @@ def prefill(
     if isinstance(patience, bool) or not isinstance(patience, (int, float)) or patience < 0:
         raise ValueError(f"patience must be a number of seconds >= 0, got {patience!r}")
     indices = ds.cacheable_indices()
+    uncached = ds.uncached_by_heap
     stored = ds.fill(indices[rank::world_size])
     if not barrier:
         return stored
@@ -96,11 +98,13 @@ def prefill(
     if dist is not None:
         dist.barrier()
         return stored
-    return stored + _wait_filled(ds, indices, patience)
+    return stored + _wait_filled(ds, indices, patience, uncached)
 
 
-def _wait_filled(ds: Fillable, indices: np.ndarray, patience: float) -> int:
-    """Waits until the rows the next epoch reads are all filled; fills the rest after ``patience`` idle seconds."""
+def _wait_filled(ds: Fillable, indices: np.ndarray, patience: float, uncached: int) -> int:
+    """Waits until the rows the next epoch reads are all filled; fills the rest after ``patience`` idle seconds,
+    or returns after ``_HEAP_FULL_PATIENCE`` if a heap ran out of room since the prefill began (``uncached``: the
+    samples served uncached before it; a heap full once, long ago, says nothing of what a peer stores now)."""
     missing_count = -1
     last_progress = time.monotonic()
     while True:
@@ -112,7 +116,7 @@ def _wait_filled(ds: Fillable, indices: np.ndarray, patience: float) -> int:
             missing_count, last_progress = len(missing), now
         elif now - last_progress >= patience:
             return ds.fill(missing)
-        elif now - last_progress >= _HEAP_FULL_PATIENCE and ds.uncached_by_heap:
+        elif now - last_progress >= _HEAP_FULL_PATIENCE and ds.uncached_by_heap > uncached:
             return 0  # a heap ran out of room (max_bytes): what is missing may never be stored; don't wait for it
         time.sleep(_POLL)
 
