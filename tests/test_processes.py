@@ -28,6 +28,7 @@ from helpers.core_workers import (
     interleaved_filler,
     ragged_batch_filler,
     read_all_by_path,
+    rewrite_row_slowly,
     slow_filler,
     widening_filler,
 )
@@ -348,3 +349,24 @@ def test_a_cache_opened_while_another_process_grows_its_heap_is_sound(cache_path
     assert opened >= 100  # (the writer took long enough for the opens to overlap its growths)
     with MmapCachedDataset(cache_path, Widening(n)) as ds:
         assert ds.num_cached == n and all(bool((ds[i] == i).all()) for i in range(0, n, 97))
+
+
+def test_a_reader_without_the_source_waits_for_a_row_being_rewritten(cache_path: str) -> None:
+    """Found by review: a reader opened without the source (``MmapCachedDataset(path)``) met a filled row that another
+    process was rewriting (refresh + fill, as ``build --follow`` does) as a miss, and raised "sample 5 is not in the
+    cache" at once. It waits for the writer and reads the row. A stale row it cannot compute says it is stale."""
+    with MmapCachedDataset(cache_path, ImageLabels(20)) as ds:
+        ds.fill()
+    ctx = another_process()
+    started = ctx.Event()
+    writer = ctx.Process(target=rewrite_row_slowly, args=(cache_path, 5, started, 0.5))
+    with running([writer]), MmapCachedDataset(cache_path) as reader:
+        assert started.wait(60)
+        assert sample_equal(reader[5], ImageLabels(20)[5])  # (read once the writer is done, not refused)
+        join_all([writer], 60)
+    assert writer.exitcode == 0
+    with MmapCachedDataset(cache_path, ImageLabels(20)) as ds:
+        ds.refresh(indices=[7])
+    with MmapCachedDataset(cache_path) as reader, pytest.raises(
+            SampleNotCachedError, match=r"sample 7 of the cache at .* is stale .* no source dataset to compute it"):
+        reader[7]

@@ -88,11 +88,26 @@ class Misses:
         self.refills_checked = False
         self.refills_refused: str | None = None
 
+    def _read_still(self, index: int, row: int) -> Any | None:
+        """Without a source: the sample in ``row`` read under the writer lock, where a writer was rewriting it (an
+        odd counter, or one that kept changing, reads as a miss: a refresh and fill beside this reader); None if it
+        is not there to read."""
+        if row < 0 or not self.store.state.filled[row >> 3] >> (row & 7) & 1:
+            return None
+        return self.store.state.still(lambda: self.reader.read(row, index if self.rows.keyed else -1))
+
     def require_source(self, index: int, row: int) -> None:
         """Raises ``SampleNotCachedError`` naming the fix if there is no source to compute sample ``index``."""
         if self.source is not None:
             return
         path = self.path
+        state = self.store.state
+        if row >= 0 and state.filled[row >> 3] >> (row & 7) & 1 and state.stale[row >> 3] >> (row & 7) & 1:
+            raise SampleNotCachedError(
+                f"sample {index} of the cache at {path} is stale (refresh() or `mmapcache build --refresh` marked it "
+                "to be computed again), and this process has no source dataset to compute it: open it with "
+                "MmapCachedDataset(path, dataset), or with stale='serve' to read the stored version until a writer "
+                "(`mmapcache build --follow`) replaces it")
         if row < 0:
             raise SampleNotCachedError(
                 f"sample {index} is not cacheable in the cache at {path} (max_bytes/cache_indices chose "
@@ -118,6 +133,9 @@ class Misses:
         int...), not as the source's own objects. Every ``ds[i]`` that misses comes here: the steps are inlined."""
         source = self.source
         if source is None:
+            held = self._read_still(index, row)
+            if held is not None:
+                return held
             self.require_source(index, row)
         try:
             sample = source[index]  # (self.fetch)

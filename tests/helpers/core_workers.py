@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import os
 import random
+import time
 from typing import Any
 
 import numpy as np
@@ -318,3 +319,23 @@ def widening_filler(path: str, n: int) -> None:
     with MmapCachedDataset(path, Widening(n), ragged=["<sample>"]) as ds:
         for i in range(n):
             ds[i]
+
+
+def rewrite_row_slowly(path: str, row: int, started: Any, seconds: float) -> None:
+    """A writer in the middle of rewriting ``row``: under the cache's writer lock, its counter odd for ``seconds``
+    (``started`` set then), then even again, the value unchanged (as a rewrite with the same value ends)."""
+    from mmapcache.store.store import Store
+
+    store = Store(path)
+    state = store.state
+
+    def rewrite() -> None:
+        before = state.seq[row]
+        state.seq[row] = before | 1
+        started.set()
+        time.sleep(seconds)
+        state.seq[row] = before
+    try:
+        state.still(rewrite)
+    finally:
+        store.close()
