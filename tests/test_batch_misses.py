@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -474,3 +475,37 @@ def test_the_shared_buffer_check_never_fails_the_sample_asked_for(cache_path: st
         served = list(loader)
     assert sorted(s["i"] for s in served) == list(range(0, source.n, 2))
     assert all(bool((s["x"] == 7.0).all()) for s in served)
+
+
+class _FastThenSlow(Dataset):
+    """400 small rows: the first 16 computed at once, each later one in 5 ms."""
+
+    def __len__(self) -> int:
+        return 400
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i >= 16:
+            import time
+
+            time.sleep(0.005)
+        return torch.full((4,), float(i))
+
+
+def test_fill_stores_in_batches_that_grow_at_most_twofold_and_shrink_with_the_source(cache_path: str) -> None:
+    """A batch is stored at its end, and a peer's prefill watches the rows fill: fill() starts with 8 samples, then
+    takes about half a second of the source a batch, growing at most twofold. A review found a batch of 1,024 slow
+    samples after 8 fast ones (no row stored for 3.7 s: a live peer taken for dead), and, before, 1,024 at once."""
+    with MmapCachedDataset(cache_path, _FastThenSlow(), fingerprint="fast-then-slow") as ds:
+        sizes: list[int] = []
+        store_batch = ds._misses.store_batch
+
+        def recorded(idx: Any, rows: Any) -> int:
+            sizes.append(len(idx))
+            return store_batch(idx, rows)
+
+        ds._misses.store_batch = recorded  # type: ignore[method-assign]  # (observed, not replaced)
+        ds.fill()
+        assert ds.num_cached == 400 and not len(ds.missing_indices())
+        assert sizes[0] == 8 and all(b <= 2 * a for a, b in itertools.pairwise(sizes)), sizes
+        assert max(sizes) <= 200, sizes  # (5 ms samples: about 100 to the half second, never 1,024)
+        assert all(torch.equal(ds[i], torch.full((4,), float(i))) for i in range(0, 400, 37))

@@ -106,3 +106,20 @@ def test_closing_a_cache_under_another_threads_loader_stops_it_with_a_clear_erro
     assert "was closed (ds.close()) while this process still read or filled it" in str(errors[0])
     with MmapCachedDataset(cache_path, Waits()) as again:
         assert all(torch.equal(again[i]["input_ids"], torch.arange(1 + i % 17) + i) for i in range(200) if i != 40)
+
+
+def test_a_closed_caches_state_says_it_is_closed_to_whatever_reads_it(cache_path: str) -> None:
+    """Review: the closed state's stand-ins raised the closed error only when indexed; a count or mask over them
+    (numpy's conversions, comparisons, bit operations) failed with numpy's TypeError."""
+    import numpy as np
+    import pytest
+
+    from mmapcache import MmapCachedDataset
+
+    ds = MmapCachedDataset(cache_path, list(range(10)))
+    state = ds._ensure_open().state
+    ds.close()
+    for look in (state.filled_mask, state.stale_mask, state.complete_rows, state.all_complete,
+                 lambda: state.filled_rows(np.arange(3))):
+        with pytest.raises(ValueError, match=r"was closed \(ds.close\(\)\) while this process still read"):
+            look()

@@ -247,3 +247,21 @@ def test_ragged_fields_beside_a_max_shapes_field_are_listed_by_default_collation
                     seen += first
                 assert sorted(seen) == list(range(20))
             ds.fill()
+
+
+def test_a_ragged_field_under_a_dotted_key_beside_a_max_shapes_field_is_listed(cache_path: str) -> None:
+    """Found by review: a dict key holding a dot (``"tok.ids"``) is named as ``{"tok": {"ids": ...}}`` is, and the
+    marking of ragged values read one by one looked only for the nested form: stacked, and failed."""
+
+    class Dotted(Dataset):
+        def __len__(self) -> int:
+            return 12
+
+        def __getitem__(self, index: int) -> Any:
+            return {"img": torch.zeros(2, 3), "tok.ids": torch.arange(1 + index % 4) + 10 * index}
+
+    with MmapCachedDataset(cache_path, Dotted(), max_shapes={"img": (2, 4)}) as ds:
+        ds.fill()
+        for batch in ds.loader(batch_size=5):
+            assert isinstance(batch["tok.ids"], list)
+            assert all(torch.equal(t, Dotted()[int(t[0]) // 10]["tok.ids"]) for t in batch["tok.ids"])

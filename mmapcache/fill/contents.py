@@ -165,9 +165,10 @@ class CacheContents:
         # Computed, checked and stored a batch at a time, as the loader's misses are (Misses.store_batch): one writer
         # lock per batch, not per row. A batch of about 4 MB: its buffers are reused from one batch to the next.
         # (Ragged values live in the heaps, their size unknown here: a batch of them is kept to the old chunk size.)
-        # And of about _BATCH_SECONDS of the source's time at most, from a first batch of a few: a batch is stored
-        # at its end, and a peer's prefill, which watches the rows fill, took a batch of slow samples (1,024 of
-        # 0.1 s) for a dead peer and computed its share again.
+        # And of about _BATCH_SECONDS of the source's time at most, from a first batch of a few, growing at most
+        # twofold: a batch is stored at its end, and a peer's prefill, which watches the rows fill, took a batch of
+        # slow samples (1,024 of 0.1 s) for a dead peer and computed its share again. (A source that turns slow
+        # mid-fill can still hold a batch past that: twice the last one's samples.)
         per_batch = max(1, min(64 if reader.ragged else 1024, (4 << 20) // max(1, reader.row_bytes)))
         epoch, stored, at, size = self._epoch_view[0], 0, 0, min(per_batch, _FIRST_BATCH)
         while at < len(todo):
@@ -176,7 +177,8 @@ class CacheContents:
             stored += self._misses.store_batch(idx, self._rows.rows_of(idx, epoch))
             took = time.perf_counter() - started
             at += len(idx)
-            size = max(1, min(per_batch, int(len(idx) * _BATCH_SECONDS / max(took, 1e-9))))
+            # (at most twice the last batch: a source fast at first and slow later is not given 1,024 at once)
+            size = max(1, min(per_batch, 2 * len(idx), int(len(idx) * _BATCH_SECONDS / max(took, 1e-9))))
         return stored
 
     def prefill(self, *, rank: int | None = None, world_size: int | None = None, barrier: bool = True,

@@ -96,13 +96,20 @@ class Misses:
             return None
         return self.store.state.still(lambda: self.reader.read(row, index if self.rows.keyed else -1))
 
+    def _values_still(self, index: int, row: int) -> list[Any] | None:
+        """``_read_still`` for a batch: the row's stored values."""
+        if row < 0 or not self.store.state.filled[row >> 3] >> (row & 7) & 1:
+            return None
+        return self.store.state.still(lambda: self.reader.read_values(row, index if self.rows.keyed else -1))
+
     def require_source(self, index: int, row: int) -> None:
         """Raises ``SampleNotCachedError`` naming the fix if there is no source to compute sample ``index``."""
         if self.source is not None:
             return
         path = self.path
         state = self.store.state
-        if row >= 0 and state.filled[row >> 3] >> (row & 7) & 1 and state.stale[row >> 3] >> (row & 7) & 1:
+        if row >= 0 and self.reader.recompute_stale and state.filled[row >> 3] >> (row & 7) & 1 and state.stale[
+                row >> 3] >> (row & 7) & 1:
             raise SampleNotCachedError(
                 f"sample {index} of the cache at {path} is stale (refresh() or `mmapcache build --refresh` marked it "
                 "to be computed again), and this process has no source dataset to compute it: open it with "
@@ -261,6 +268,9 @@ class Misses:
                 # A row that was filled but rewritten during the gather: read it again (unless a fill rewrites it).
                 values = reader.read_values(row, index if keyed else -1) if row >= 0 and filled[row >> 3] >> (
                     row & 7) & 1 and (stale is None or not stale[row >> 3] >> (row & 7) & 1) else None
+                if values is None and self.source is None and row >= 0 and (
+                        stale is None or not stale[row >> 3] >> (row & 7) & 1):
+                    values = self._values_still(index, row)  # (a row being rewritten: read once the writer is done)
                 if values is None:
                     self.require_source(index, row)
                     try:

@@ -49,31 +49,47 @@ def sample_lengths(reader: Any, rows: np.ndarray, field: str, where: str) -> np.
             "every sample")
     state = reader.state
     for _ in range(_TRIES):
-        counter = state.all_complete()
-        if counter < 0:
-            stored = state.filled_rows(rows)
-            if reader.recompute_stale:  # (stale="serve": a stale row is read as it is, its length too)
-                stored &= ~state.stale_rows(rows)
-            missing = len(rows) - int(stored.sum())
-            if missing:
-                raise SampleNotCachedError(
-                    f"{where}: {missing} of its {len(rows)} samples are not stored yet (or stale), and lengths are "
-                    "read from the stored samples: fill it first (ds.fill(), ds.prefill() on every rank of a job, "
-                    "or `mmapcache build`)")
-            counter = state.changes[0] & ~1  # complete, a writer in another part of it (a refresh): read, check
-        if not spec.ragged and not spec.variable:
-            return np.full(len(rows), spec.shape[0], np.int64)
-        table = reader.store.index[k] if spec.ragged else reader.shapes[k]
-        lengths = table[:, 2 if spec.ragged else 0].take(rows)
-        if state.changes[0] == counter:
-            if field in TOKEN_FIELDS and spec.ragged and len(spec.shape) == 2 and spec.np_dtype.kind in "iu" and (
-                    len(rows) and not (lengths - 1).any() and (table[:, 3].take(rows) != table[rows[0], 3]).any()):
-                raise ValueError(f"field {field!r} of {where} holds values of shape (1, n) (as a tokenizer's "
-                                 "return_tensors='pt' gives them), whose lengths (first dimension) are all 1: "
-                                 "return 1-D token ids from the dataset (squeeze(0), or leave return_tensors out)")
-            return lengths.astype(np.int64, copy=False)
-    raise SampleNotCachedError(f"{where}: writers changed the cache {_TRIES} times while the lengths were read; "
-                               "read them when it is filled")
+        lengths = _read_lengths(reader, rows, k, field, where, False)
+        if lengths is not None:
+            return lengths
+    # Writers kept changing the cache (a refresh and fill beside this reader, as `build --follow` runs): read under
+    # the writer lock, where none is mid-change (they wait the moment this takes).
+    found = state.still(lambda: _read_lengths(reader, rows, k, field, where, True))
+    assert found is not None  # (under the lock nothing changes: a read either returns or raises)
+    return found
+
+
+def _read_lengths(reader: Any, rows: np.ndarray, k: int, field: str, where: str, locked: bool) -> np.ndarray | None:
+    """``sample_lengths``' one read: the lengths, or None if a writer changed the cache meanwhile or is rewriting a
+    row (read again); unless ``locked`` (the caller holds the writer lock: no writer is mid-change)."""
+    state, spec = reader.state, reader.fields[k]
+    counter = state.all_complete()
+    if counter < 0:
+        before = state.changes[0]
+        stored = state.filled_rows(rows)
+        if reader.recompute_stale:  # (stale="serve": a stale row is read as it is, its length too)
+            stored &= ~state.stale_rows(rows)
+        missing = len(rows) - int(stored.sum())
+        if missing and not locked and (before & 1 or state.changes[0] != before):
+            return None  # (a writer in a change: a row it rewrites has an odd counter until it is done)
+        if missing:
+            raise SampleNotCachedError(
+                f"{where}: {missing} of its {len(rows)} samples are not stored yet (or stale), and lengths are "
+                "read from the stored samples: fill it first (ds.fill(), ds.prefill() on every rank of a job, "
+                "or `mmapcache build`)")
+        counter = state.changes[0] & ~1  # complete, a writer in another part of it (a refresh): read, check
+    if not spec.ragged and not spec.variable:
+        return np.full(len(rows), spec.shape[0], np.int64)
+    table = reader.store.index[k] if spec.ragged else reader.shapes[k]
+    lengths = table[:, 2 if spec.ragged else 0].take(rows)
+    if state.changes[0] != counter and not locked:
+        return None
+    if field in TOKEN_FIELDS and spec.ragged and len(spec.shape) == 2 and spec.np_dtype.kind in "iu" and (
+            len(rows) and not (lengths - 1).any() and (table[:, 3].take(rows) != table[rows[0], 3]).any()):
+        raise ValueError(f"field {field!r} of {where} holds values of shape (1, n) (as a tokenizer's "
+                         "return_tensors='pt' gives them), whose lengths (first dimension) are all 1: "
+                         "return 1-D token ids from the dataset (squeeze(0), or leave return_tensors out)")
+    return lengths.astype(np.int64, copy=False)
 
 
 def by_length(order: np.ndarray, lengths: np.ndarray, group: int) -> np.ndarray:

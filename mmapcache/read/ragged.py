@@ -286,14 +286,24 @@ def mark_ragged(sample: Any, fields: Sequence[Field]) -> None:
     for field in fields:
         if not field.ragged or field.kind != TENSOR:
             continue
-        value = sample
-        for key in ([] if field.name == "<sample>" else field.name.split(".")):
-            if isinstance(value, Mapping):
-                value = value.get(key)
-            elif isinstance(value, (tuple, list)) and key.isdigit() and int(key) < len(value):
-                value = value[int(key)]
-            else:
-                value = None
-                break
+        value = sample if field.name == "<sample>" else _at(sample, field.name.split("."))
         if isinstance(value, torch.Tensor):
             setattr(value, RAGGED_MARK, True)
+
+
+def _at(value: Any, parts: list[str]) -> Any:
+    """The value at a field's path (its parts), or None: a dict's key may itself hold dots (``{"tok.ids": ...}`` is
+    named as ``{"tok": {"ids": ...}}`` is), so the longest key that matches is tried first."""
+    if not parts:
+        return value
+    if isinstance(value, Mapping):
+        for n in range(len(parts), 0, -1):
+            key = ".".join(parts[:n])
+            if key in value:
+                found = _at(value[key], parts[n:])
+                if found is not None:
+                    return found
+        return None
+    if isinstance(value, (tuple, list)) and parts[0].isdigit() and int(parts[0]) < len(value):
+        return _at(value[int(parts[0])], parts[1:])
+    return None

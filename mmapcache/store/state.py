@@ -393,6 +393,15 @@ class _Closed:
     def __setitem__(self, key: Any, value: Any) -> None:
         self[key]
 
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        return self[None]
+
+
+# (whatever a state method does with a view: numpy's conversions, comparisons, bit operations)
+for _name in ("__array__", "__len__", "__iter__", "__eq__", "__ne__", "__and__", "__rand__", "__or__", "__ror__",
+              "__rshift__", "__lshift__", "__invert__", "__getattr__"):
+    setattr(_Closed, _name, _Closed._refuse)
+
 
 def map_exact(directory: str, name: str, size: int, access: int, writable: bool) -> mmap.mmap:
     """Maps a state file, checking it has exactly the expected size."""

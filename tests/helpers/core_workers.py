@@ -329,12 +329,14 @@ def rewrite_row_slowly(path: str, row: int, started: Any, seconds: float) -> Non
     store = Store(path)
     state = store.state
 
-    def rewrite() -> None:
-        before = state.seq[row]
+    def rewrite() -> None:  # (as a writer's change window: the cache-wide counter odd, then even and advanced)
+        before, changes = state.seq[row], state.changes[0]
+        state.changes[0] = changes | 1
         state.seq[row] = before | 1
         started.set()
         time.sleep(seconds)
         state.seq[row] = before
+        state.changes[0] = (changes | 1) + 1
     try:
         state.still(rewrite)
     finally:
