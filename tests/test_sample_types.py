@@ -483,6 +483,17 @@ def test_tensor_subclasses_keep_class_and_metadata_on_every_path(cache_path: str
     ds.close()
 
 
+def test_tensor_subclasses_of_a_cache_read_sample_by_sample_keep_only_their_metadata(cache_path: str) -> None:
+    """A ``max_shapes`` field makes batches read sample by sample, whose plain ragged tensors are marked for
+    default collation (``read.ragged.mark_ragged``); a tensor subclass's attributes are its metadata, which the
+    sample carries: it is left unmarked, its attributes the source's."""
+    src = tvlike.Detection(12)
+    with MmapCachedDataset(cache_path, src, ragged=["boxes"], max_shapes={"image": (3, 16, 16)}) as ds:
+        assert ds._ensure_open().variable
+        for _ in range(2):  # misses, then hits
+            assert all(tvlike.same_tv(s, src[i]) for i, s in enumerate(ds.__getitems__(list(range(len(src))))))
+
+
 def test_tensor_subclasses_in_spawned_dataloader_workers(cache_path: str) -> None:
     src = tvlike.Detection(24)
     ds = MmapCachedDataset(cache_path, src, ragged="auto")

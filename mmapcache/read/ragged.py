@@ -287,7 +287,7 @@ def mark_ragged(sample: Any, fields: Sequence[Field]) -> None:
         if not field.ragged or field.kind != TENSOR:
             continue
         value = sample if field.name == "<sample>" else _at(sample, field.name.split("."))
-        if isinstance(value, torch.Tensor):
+        if type(value) is torch.Tensor:  # (a subclass's attributes are its metadata, which a sample carries)
             setattr(value, RAGGED_MARK, True)
 
 
