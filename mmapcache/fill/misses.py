@@ -88,19 +88,13 @@ class Misses:
         self.refills_checked = False
         self.refills_refused: str | None = None
 
-    def _read_still(self, index: int, row: int) -> Any | None:
-        """Without a source: the sample in ``row`` read under the writer lock, where a writer was rewriting it (an
-        odd counter, or one that kept changing, reads as a miss: a refresh and fill beside this reader); None if it
-        is not there to read."""
+    def _still(self, read: Callable[[int, int], Any], index: int, row: int) -> Any | None:
+        """Without a source: ``read(row, key)`` (the reader's ``read`` for a sample, ``read_values`` for a batch)
+        under the writer lock, where a writer was rewriting the row (an odd counter, or one that kept changing, reads
+        as a miss: a refresh and fill beside this reader); None if the row holds nothing to read."""
         if row < 0 or not self.store.state.filled[row >> 3] >> (row & 7) & 1:
             return None
-        return self.store.state.still(lambda: self.reader.read(row, index if self.rows.keyed else -1))
-
-    def _values_still(self, index: int, row: int) -> list[Any] | None:
-        """``_read_still`` for a batch: the row's stored values."""
-        if row < 0 or not self.store.state.filled[row >> 3] >> (row & 7) & 1:
-            return None
-        return self.store.state.still(lambda: self.reader.read_values(row, index if self.rows.keyed else -1))
+        return self.store.state.still(lambda: read(row, index if self.rows.keyed else -1))
 
     def require_source(self, index: int, row: int) -> None:
         """Raises ``SampleNotCachedError`` naming the fix if there is no source to compute sample ``index``."""
@@ -140,7 +134,7 @@ class Misses:
         int...), not as the source's own objects. Every ``ds[i]`` that misses comes here: the steps are inlined."""
         source = self.source
         if source is None:
-            held = self._read_still(index, row)
+            held = self._still(self.reader.read, index, row)
             if held is not None:
                 return held
             self.require_source(index, row)
@@ -270,7 +264,7 @@ class Misses:
                     row & 7) & 1 and (stale is None or not stale[row >> 3] >> (row & 7) & 1) else None
                 if values is None and self.source is None and row >= 0 and (
                         stale is None or not stale[row >> 3] >> (row & 7) & 1):
-                    values = self._values_still(index, row)  # (a row being rewritten: read once the writer is done)
+                    values = self._still(reader.read_values, index, row)  # (read once its writer is done)
                 if values is None:
                     self.require_source(index, row)
                     try:
